@@ -1,0 +1,3 @@
+from omlx.cli import main
+
+main()
