@@ -1,0 +1,84 @@
+"""The unit of caching: one immutable block of KV state and its integrity checksum.
+
+A block holds, for ``token_count`` tokens at a fixed place in a prefix, every layer's
+tensors (``"0.keys"``, ``"0.values"``, ``"5.state.0"`` ...). It is content-addressed by
+``key`` (see ``block_hash.block_keys``), so it is never mutated once built and can be
+shared by any number of requests and tiers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["CacheBlock", "checksum", "dtype_name", "host_view"]
+
+
+@dataclass
+class CacheBlock:
+    """One block of KV state; ``tensors`` must be evaluated arrays owned by this block.
+
+    ``parent`` is the previous block's key (``None`` for the first block), which lets a
+    tier or a debugging tool walk a chain without the tokens. ``layer_types`` records per
+    layer what kind of cache the tensors came from (``"kv"``, ``"rotating"``, ``"mamba"``
+    ...) so a restore can rebuild the right cache objects.
+    """
+
+    key: str
+    parent: str | None
+    fingerprint: str
+    token_count: int
+    layer_types: list[str]
+    tensors: dict[str, mx.array] = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (what the byte budgets of the tiers count)."""
+        return sum(int(t.nbytes) for t in self.tensors.values())
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """Stable short dtype name (``"bfloat16"``), independent of how MLX prints dtypes."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def host_view(t: mx.array) -> np.ndarray:
+    """A C-contiguous numpy array with exactly ``t``'s bytes (``t`` is evaluated if needed).
+
+    numpy has no bfloat16, so bf16 is reinterpreted as uint16 first (bit-identical).
+    Runs on the CPU stream so it is safe from any thread (writer, loader pool).
+    """
+    with mx.stream(mx.cpu):
+        if t.dtype == mx.bfloat16:
+            t = t.view(mx.uint16)
+        arr = np.asarray(t)
+    return np.ascontiguousarray(arr)
+
+
+def _checksum_entries(entries: Iterable[tuple[str, str, tuple[int, ...], memoryview]]) -> str:
+    h = hashlib.sha256(b"omlx-block-checksum-v1\0")
+    for name, dt, shape, data in entries:
+        header = f"{name}\0{dt}\0{','.join(map(str, shape))}\0{data.nbytes}\0"
+        h.update(header.encode("utf-8"))
+        h.update(data)
+    return h.hexdigest()
+
+
+def checksum(tensors: Mapping[str, mx.array]) -> str:
+    """SHA-256 over tensor names, dtypes, shapes and raw bytes, in sorted name order.
+
+    Stored with each SSD block and re-verified on load, so a flipped bit, a torn write or
+    a file from another block is caught before it reaches the model.
+    """
+
+    def entries() -> Iterable[tuple[str, str, tuple[int, ...], memoryview]]:
+        for name in sorted(tensors):
+            t = tensors[name]
+            arr = host_view(t)
+            yield name, dtype_name(t.dtype), tuple(t.shape), memoryview(arr).cast("B")
+
+    return _checksum_entries(entries())

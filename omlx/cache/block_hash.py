@@ -1,0 +1,141 @@
+"""Stable identities for cache blocks: model fingerprints and chained block keys.
+
+Keys must survive restarts and be identical across processes, so everything here is
+SHA-256 over explicit byte encodings (never Python's ``hash()``, which is salted per run).
+A block key commits to the model fingerprint, to its parent's key and to its own tokens,
+so equal keys mean "same model, same whole prefix": a block can only be reused behind
+exactly the prefix it was computed for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["model_fingerprint", "weights_digest", "block_keys", "FINGERPRINT_VERSION"]
+
+# Bump when the meaning of a block payload changes (layout of tensors, slicing rules...):
+# every fingerprint, hence every key, changes and old blocks can never be served.
+FINGERPRINT_VERSION = "omlx-block-v1"
+
+_EDGE_BYTES = 1 << 20  # how much of each end of a weight file is hashed
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+_ROOT = b"root"
+
+
+def model_fingerprint(
+    model_path_identity: str,
+    weights_digest: str,
+    dtype: str,
+    kv_format: str,
+    block_size: int,
+) -> str:
+    """Hex SHA-256 naming "this model, computing KV in this format, in blocks of this size".
+
+    Any field that changes what a block's tensors mean must be here: the weights (digest),
+    the compute dtype, the KV cache format (plain, quantised bits/group size, rotating...)
+    and the block size. The fields are JSON-encoded so no two field tuples collide.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    payload = json.dumps(
+        [FINGERPRINT_VERSION, model_path_identity, weights_digest, dtype, kv_format, block_size],
+        ensure_ascii=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(payload.encode("ascii")).hexdigest()
+
+
+def _edges_digest(path: Path, size: int) -> str:
+    """SHA-256 of the first and last MiB: catches re-downloads and edits without reading GBs."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(_EDGE_BYTES))
+        if size > _EDGE_BYTES:
+            f.seek(max(_EDGE_BYTES, size - _EDGE_BYTES))
+            h.update(f.read(_EDGE_BYTES))
+    return h.hexdigest()
+
+
+def weights_digest(model_dir: Path) -> str:
+    """Cheap, change-sensitive digest of a model folder's weights and config.
+
+    Covers, per weight file (``*.safetensors``, ``*.gguf``, sorted by name): name, size,
+    ``mtime_ns`` and SHA-256 of its first and last 1 MiB; plus the full ``config.json``.
+    Symlinks (Hugging Face hub snapshots) are followed. Reading only the edges keeps this in
+    the milliseconds for a 100 GB model; size + mtime catch in-place rewrites in the middle.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    h.update(b"omlx-weights-v1\0")
+    files = sorted(
+        p for p in model_dir.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES) and p.is_file()
+    )
+    for p in files:
+        st = p.stat()
+        h.update(p.name.encode("utf-8") + b"\0")
+        h.update(f"{st.st_size}\0{st.st_mtime_ns}\0".encode("ascii"))
+        h.update(_edges_digest(p, st.st_size).encode("ascii") + b"\0")
+    config = model_dir / "config.json"
+    if config.is_file():
+        h.update(b"config.json\0")
+        h.update(config.read_bytes())
+    else:
+        h.update(b"no-config\0")
+    return h.hexdigest()
+
+
+def _pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes, validated (negative or >= 2**32 is an error)."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<u4"):
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > 0xFFFFFFFF:
+            raise ValueError(f"token ids must fit in uint32, got range [{lo}, {hi}]")
+        arr = arr.astype("<u4")
+    return arr.tobytes()
+
+
+def block_keys(
+    fingerprint: str,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra_keys: bytes = b"",
+) -> list[str]:
+    """Chained hex keys, one per FULL block of ``token_ids`` (the tail is never cached).
+
+    ``key_i = sha256(fingerprint || key_{i-1} (b"root" for i=0) || uint32le(tokens_i) ||
+    extra_keys)``. ``extra_keys`` is mixed into every block; pass e.g. a digest of the
+    request's images so a multimodal prefix never matches a text-only one. ~1 ms for 32k
+    tokens given as a Python list at B=256 (0.2 ms from a numpy array).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    packed = _pack_tokens(token_ids)
+    n_blocks = len(packed) // (4 * block_size)
+    fp = fingerprint.encode("ascii")
+    stride = 4 * block_size
+    view = memoryview(packed)
+    keys: list[str] = []
+    parent = _ROOT
+    sha256 = hashlib.sha256
+    for i in range(n_blocks):
+        h = sha256(fp)
+        h.update(parent)
+        h.update(view[i * stride : (i + 1) * stride])
+        if extra_keys:
+            h.update(extra_keys)
+        key = h.hexdigest()
+        keys.append(key)
+        parent = key.encode("ascii")
+    return keys

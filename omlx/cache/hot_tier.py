@@ -1,0 +1,123 @@
+"""RAM (hot) tier: an LRU of blocks under one byte budget shared by all loaded models.
+
+Keys already include the model fingerprint, so blocks of different models live side by
+side and compete for the same budget; ``discard_fingerprint`` drops a model's blocks when
+it is unloaded for good. All methods take one lock: the engine thread, the SSD loader
+pool and the API threads (stats) may call in concurrently.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from omlx.cache.block import CacheBlock
+
+__all__ = ["HotTier"]
+
+
+class HotTier:
+    """Thread-safe LRU of ``CacheBlock`` by key; ``max_bytes == 0`` disables the tier."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._max_bytes = int(max_bytes)
+        self._blocks: OrderedDict[str, CacheBlock] = OrderedDict()  # oldest first
+        self._sizes: dict[str, int] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def enabled(self) -> bool:
+        return self._max_bytes > 0
+
+    def get(self, key: str) -> CacheBlock | None:
+        """The block for ``key`` (now most recently used) or ``None``."""
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None:
+                self._misses += 1
+                return None
+            self._blocks.move_to_end(key)
+            self._hits += 1
+            return block
+
+    def contains(self, key: str) -> bool:
+        """Presence check that does not touch LRU order or hit counters."""
+        with self._lock:
+            return key in self._blocks
+
+    def put(self, block: CacheBlock) -> bool:
+        """Store ``block``, evicting least recently used blocks to fit.
+
+        Returns False (and stores nothing) when the tier is disabled or the block alone is
+        larger than the whole budget. Putting a key already present only refreshes it.
+        """
+        size = block.nbytes
+        with self._lock:
+            if self._max_bytes <= 0 or size > self._max_bytes:
+                return False
+            if block.key in self._blocks:
+                self._blocks.move_to_end(block.key)
+                return True
+            while self._blocks and self._bytes + size > self._max_bytes:
+                old_key, _ = self._blocks.popitem(last=False)
+                self._bytes -= self._sizes.pop(old_key)
+                self._evictions += 1
+            self._blocks[block.key] = block
+            self._sizes[block.key] = size
+            self._bytes += size
+            return True
+
+    def discard(self, key: str) -> bool:
+        """Drop one block (e.g. found inconsistent by the caller)."""
+        with self._lock:
+            if self._blocks.pop(key, None) is None:
+                return False
+            self._bytes -= self._sizes.pop(key)
+            return True
+
+    def discard_fingerprint(self, fingerprint: str) -> int:
+        """Drop every block of one model; returns how many were dropped."""
+        with self._lock:
+            doomed = [k for k, b in self._blocks.items() if b.fingerprint == fingerprint]
+            for k in doomed:
+                del self._blocks[k]
+                self._bytes -= self._sizes.pop(k)
+            return len(doomed)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._sizes.clear()
+            self._bytes = 0
+
+    def set_max_bytes(self, max_bytes: int) -> None:
+        """Change the budget at run time (e.g. under memory pressure), evicting to fit."""
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        with self._lock:
+            self._max_bytes = int(max_bytes)
+            while self._blocks and self._bytes > self._max_bytes:
+                old_key, _ = self._blocks.popitem(last=False)
+                self._bytes -= self._sizes.pop(old_key)
+                self._evictions += 1
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "blocks": len(self._blocks),
+                "bytes": self._bytes,
+                "max_bytes": self._max_bytes,
+                "hits": self._hits,
+                "misses": self._misses,
+                "evictions": self._evictions,
+            }

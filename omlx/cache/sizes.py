@@ -1,0 +1,84 @@
+"""Parse human-written byte sizes for the cache and memory limits.
+
+Used for ``--hot-cache-max-size``, ``--ssd-cache-max-size`` and ``--max-model-memory``.
+Rule, so nobody has to guess: a unit with an ``i`` is binary (KiB = 1024), a unit without
+one is decimal (KB = K = 1000), as in Kubernetes. ``"20%"`` is a share of ``total``.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+__all__ = ["parse_size", "format_size"]
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
+
+
+def parse_size(text: str, *, total: int | None) -> int:
+    """Return the number of bytes ``text`` names.
+
+    Accepts ``"800000"``, ``"2GB"``, ``"512MiB"``, ``"1.5G"``, ``"0"`` and ``"20%"`` (a share
+    of ``total``, e.g. of system RAM or of the disk). Raises ``ValueError`` with a message
+    that says what was wrong and what is accepted.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"size must be a string, got {type(text).__name__}")
+    m = _PATTERN.match(text)
+    if m is None:
+        raise ValueError(
+            f"invalid size {text!r}: expected a non-negative number with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) or a percentage such as '20%'"
+        )
+    number_text, unit = m.group(1), m.group(2).lower()
+    try:
+        number = Decimal(number_text)
+    except InvalidOperation as exc:  # pragma: no cover - the regex already guards this
+        raise ValueError(f"invalid size {text!r}: bad number") from exc
+    if unit == "%":
+        if total is None:
+            raise ValueError(
+                f"invalid size {text!r}: a percentage needs a total to take a share of"
+            )
+        if total < 0:
+            raise ValueError(f"invalid total {total} for size {text!r}")
+        if number > 100:
+            raise ValueError(f"invalid size {text!r}: percentage above 100%")
+        return int(Decimal(total) * number / 100)
+    if unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: unknown unit {m.group(2)!r} "
+            "(use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %)"
+        )
+    return int(number * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """Short binary-unit rendering for logs and stats (``12.0 MiB``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"

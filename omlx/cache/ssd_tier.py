@@ -1,0 +1,634 @@
+"""SSD (cold) tier: one safetensors file per block, written in the background, LRU-evicted.
+
+Why this shape:
+- One self-describing file per block (``<dir>/<2 hex>/<key>.safetensors``) makes the
+  directory itself the index: it can be rebuilt after any crash by reading file headers,
+  and a bad file only ever costs one block.
+- Writes never run on the caller's thread (the engine or the event loop): a daemon writer
+  drains a bounded queue and, when it is full, drops the write rather than block decode.
+- Crash safety comes from the file system: write a temp file, fsync it, ``os.replace``
+  it into place, fsync the directory. A reader therefore sees a complete file or none;
+  anything else (torn sector, bit rot, a file from another model) is caught by the
+  header/size check and the checksum, deleted and counted -- never served, never fatal.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from omlx.cache.block import CacheBlock, checksum
+
+__all__ = ["SSDTier", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = "1"
+_SUFFIX = ".safetensors"
+_TMP_MARK = ".safetensors.tmp-"
+_MAX_HEADER = 64 << 20  # no sane block header is anywhere near this
+_HEX = frozenset("0123456789abcdef")
+_tmp_counter = itertools.count()  # process-wide, so two tiers never pick the same temp name
+
+
+class CorruptBlockFile(Exception):
+    """A block file that must not be served (truncated, unparsable, mismatching)."""
+
+
+@dataclass
+class _Entry:
+    size: int
+    fingerprint: str
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == 64 and all(c in _HEX for c in text)
+
+
+def read_header(path: Path | str, file_size: int | None = None) -> dict[str, str]:
+    """The ``__metadata__`` of a block file, after checking the file is whole.
+
+    Reads only the 8-byte length and the JSON header, never tensor data, and checks that
+    the file is exactly as long as the header's data offsets say (catches truncation and
+    appended garbage). Raises ``CorruptBlockFile``; ``FileNotFoundError`` passes through.
+    """
+    with open(path, "rb") as f:
+        if file_size is None:
+            file_size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) != 8:
+            raise CorruptBlockFile("shorter than the safetensors length prefix")
+        (n,) = struct.unpack("<Q", head)
+        if n == 0 or n > _MAX_HEADER or 8 + n > file_size:
+            raise CorruptBlockFile(f"bad header length {n} for a {file_size}-byte file")
+        raw = f.read(n)
+    if len(raw) != n:
+        raise CorruptBlockFile("truncated header")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptBlockFile(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CorruptBlockFile("header is not a JSON object")
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict):
+        raise CorruptBlockFile("no __metadata__ in header")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, stop = info["data_offsets"]
+            start, stop = int(start), int(stop)
+        except (KeyError, TypeError, ValueError):
+            raise CorruptBlockFile(f"bad data_offsets for {name!r}") from None
+        if not 0 <= start <= stop:
+            raise CorruptBlockFile(f"bad data_offsets for {name!r}")
+        end = max(end, stop)
+    if 8 + n + end != file_size:
+        raise CorruptBlockFile(f"size {file_size} != {8 + n + end} announced by the header")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CorruptBlockFile(f"unknown format_version {meta.get('format_version')!r}")
+    for field in ("key", "fingerprint", "checksum", "token_count", "layer_types"):
+        if not isinstance(meta.get(field), str):
+            raise CorruptBlockFile(f"metadata field {field!r} missing")
+    return meta
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:  # pragma: no cover
+        return False
+    return True
+
+
+def _unlink(path: Path | str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # pragma: no cover - e.g. read-only file system
+        log.debug("could not delete %s: %s", path, exc)
+
+
+class SSDTier:
+    """Persistent block store under ``cache_dir`` with an LRU byte budget.
+
+    ``max_bytes == 0`` disables the tier (no directory is touched, no thread started).
+    The index is rebuilt from file headers on the writer thread, so start-up never waits
+    for it; until it is done, lookups fall back to the file system (paths are derived from
+    keys). One ``SSDTier`` per directory per process.
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        max_bytes: int,
+        *,
+        write_queue_max: int = 256,
+        read_workers: int = 4,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self._dir = Path(cache_dir)
+        self._max_bytes = int(max_bytes)
+        self._read_workers = max(1, int(read_workers))
+        self._lock = threading.RLock()  # index, counters, pending
+        self._io_lock = threading.Lock()  # one writer of files at a time (writer vs clear)
+        self._index: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._ready = threading.Event()
+        self._scan_removed: set[str] = set()
+        self._queue: queue.Queue[CacheBlock | None] = queue.Queue(maxsize=max(1, write_queue_max))
+        self._pending: set[str] = set()
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._writes_disabled = False
+        self._counters = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "writes",
+                "write_errors",
+                "dropped_writes",
+                "evictions",
+                "discarded",
+                "stale_tmp_removed",
+            ),
+            0,
+        )
+        self._thread: threading.Thread | None = None
+        if self._max_bytes > 0:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            self._thread = threading.Thread(
+                target=self._run, name="omlx-ssd-writer", daemon=True
+            )
+            self._thread.start()
+        else:
+            self._ready.set()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def enabled(self) -> bool:
+        return self._max_bytes > 0
+
+    @property
+    def cache_dir(self) -> Path:
+        return self._dir
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def writes_disabled(self) -> bool:
+        return self._writes_disabled
+
+    def path_for(self, key: str) -> Path:
+        """Where the block ``key`` lives (whether or not it exists)."""
+        return self._dir / key[:2] / f"{key}{_SUFFIX}"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the start-up index rebuild; True when it is done."""
+        return self._ready.wait(timeout)
+
+    # ------------------------------------------------------------------ lookups
+
+    def contains(self, key: str, fingerprint: str) -> bool:
+        """Cheap presence check (no file read once the index is built)."""
+        if not self.enabled or not _is_key(key):
+            return False
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is not None:
+                return entry.fingerprint == fingerprint
+            if self._ready.is_set():
+                return False
+        return self.path_for(key).is_file()
+
+    def get(self, key: str, fingerprint: str) -> CacheBlock | None:
+        """Load and verify one block; ``None`` on a miss or on any problem with the file.
+
+        A file that fails verification is deleted and counted in ``discarded``. The
+        returned tensors are evaluated CPU-stream arrays, ready to be handed to a model.
+        """
+        if not self.enabled or not _is_key(key):
+            return None
+        path = self.path_for(key)
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None and self._ready.is_set():
+                self._counters["misses"] += 1
+                return None
+        try:
+            block, size = self._load(path, key, fingerprint)
+        except FileNotFoundError:
+            self._forget(key)
+            with self._lock:
+                self._counters["misses"] += 1
+            return None
+        except Exception as exc:  # noqa: BLE001 - never raise to the caller
+            self._discard(key, path, exc)
+            with self._lock:
+                self._counters["misses"] += 1
+            return None
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        with self._lock:
+            self._counters["hits"] += 1
+            if key in self._index:
+                self._index.move_to_end(key)
+            elif not self._ready.is_set() or path.exists():
+                self._index[key] = _Entry(size, fingerprint)
+                self._bytes += size
+        return block
+
+    def get_many(self, keys: Sequence[str], fingerprint: str) -> list[CacheBlock | None]:
+        """``get`` for several keys, read in parallel; results in the order of ``keys``."""
+        if len(keys) <= 1 or self._read_workers == 1:
+            return [self.get(k, fingerprint) for k in keys]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read"
+                )
+            pool = self._pool
+        return list(pool.map(lambda k: self.get(k, fingerprint), keys))
+
+    def _load(self, path: Path, key: str, fingerprint: str) -> tuple[CacheBlock, int]:
+        size = os.stat(path).st_size
+        meta = read_header(path, size)  # cheap: rejects truncated / foreign files early
+        _check_identity(meta, key, fingerprint)
+        with mx.stream(mx.cpu):
+            tensors, meta2 = mx.load(
+                str(path), format="safetensors", return_metadata=True, stream=mx.cpu
+            )
+        if meta2 != meta:
+            raise CorruptBlockFile("metadata changed while reading")
+        if checksum(tensors) != meta["checksum"]:  # also forces the read (evaluates)
+            raise CorruptBlockFile("checksum mismatch")
+        parent = meta.get("parent") or None
+        try:
+            token_count = int(meta["token_count"])
+            layer_types = json.loads(meta["layer_types"])
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise CorruptBlockFile(f"bad metadata: {exc}") from None
+        if not isinstance(layer_types, list):
+            raise CorruptBlockFile("layer_types is not a list")
+        block = CacheBlock(
+            key=key,
+            parent=parent,
+            fingerprint=fingerprint,
+            token_count=token_count,
+            layer_types=[str(t) for t in layer_types],
+            tensors=dict(tensors),
+        )
+        return block, size
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, block: CacheBlock) -> bool:
+        """Queue ``block`` for writing; True when queued. Never blocks on I/O.
+
+        Skips blocks already stored or queued. Evaluates the tensors here (a no-op when the
+        caller already did) so the writer thread only copies bytes and never runs a graph
+        built on the caller's stream. When the queue is full the write is dropped and
+        counted in ``dropped_writes``.
+        """
+        if not self.enabled or self._closed or not _is_key(block.key):
+            return False
+        with self._lock:
+            if self._writes_disabled:
+                self._counters["dropped_writes"] += 1
+                return False
+            if block.key in self._index or block.key in self._pending:
+                return False
+            if block.nbytes > self._max_bytes:
+                self._counters["dropped_writes"] += 1
+                return False
+            self._pending.add(block.key)
+            self._inflight += 1
+        mx.eval(list(block.tensors.values()))
+        try:
+            self._queue.put_nowait(block)
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(block.key)
+                self._counters["dropped_writes"] += 1
+                self._done_one()
+            return False
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done (or dropped); True when drained."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+
+    def _done_one(self) -> None:
+        # caller holds self._lock
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.notify_all()
+
+    def _write_file(self, path: Path, tensors: Mapping[str, mx.array], metadata: dict[str, str]) -> None:
+        """Write and fsync one temp file. Tests replace this on the instance to fake I/O errors."""
+        with open(path, "wb") as f:
+            with mx.stream(mx.cpu):
+                mx.save_safetensors(f, dict(tensors), metadata)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _write_one(self, block: CacheBlock) -> None:
+        if self._writes_disabled:
+            with self._lock:
+                self._counters["dropped_writes"] += 1
+            return
+        with self._lock:
+            if block.key in self._index:
+                return
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "key": block.key,
+            "parent": block.parent or "",
+            "token_count": str(int(block.token_count)),
+            "fingerprint": block.fingerprint,
+            "layer_types": json.dumps(list(block.layer_types)),
+            "checksum": checksum(block.tensors),
+        }
+        final = self.path_for(block.key)
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
+        with self._io_lock:
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                self._write_file(tmp, block.tensors, metadata)
+                os.replace(tmp, final)
+                _fsync_dir(final.parent)
+                size = final.stat().st_size
+            except Exception as exc:  # noqa: BLE001 - the writer thread must survive
+                _unlink(tmp)
+                self._write_failed(block.key, exc)
+                return
+            with self._lock:
+                old = self._index.pop(block.key, None)
+                if old is not None:  # pragma: no cover - a hit raced in during the write
+                    self._bytes -= old.size
+                self._index[block.key] = _Entry(size, block.fingerprint)
+                self._bytes += size
+                self._counters["writes"] += 1
+            self._evict()
+
+    def _write_failed(self, key: str, exc: BaseException) -> None:
+        with self._lock:
+            self._counters["write_errors"] += 1
+            first = not self._writes_disabled
+            if isinstance(exc, OSError) or _looks_like_io_error(exc):
+                self._writes_disabled = True
+        if self._writes_disabled:
+            if first:
+                log.warning(
+                    "SSD cache: writing block %s to %s failed (%s); SSD cache writes are "
+                    "disabled until restart, reads continue",
+                    key[:12],
+                    self._dir,
+                    exc,
+                )
+            self._drain_queue(count_as_dropped=True)
+        else:
+            log.warning("SSD cache: could not write block %s: %r", key[:12], exc)
+
+    def _drain_queue(self, *, count_as_dropped: bool) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:  # keep the stop sentinel for the writer loop
+                self._queue.put_nowait(None)
+                return
+            with self._lock:
+                self._pending.discard(item.key)
+                if count_as_dropped:
+                    self._counters["dropped_writes"] += 1
+                self._done_one()
+
+    def _evict(self) -> None:
+        """Delete least recently used files until the byte budget holds."""
+        while True:
+            with self._lock:
+                if self._bytes <= self._max_bytes or not self._index:
+                    return
+                key, entry = self._index.popitem(last=False)
+                self._bytes -= entry.size
+                self._counters["evictions"] += 1
+            _unlink(self.path_for(key))
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _run(self) -> None:
+        try:
+            self._scan()
+        except Exception:  # noqa: BLE001 - a failed scan leaves an empty index, not a crash
+            log.exception("SSD cache: index rebuild of %s failed", self._dir)
+        finally:
+            self._ready.set()
+        with self._io_lock:
+            self._evict()  # the budget may have shrunk since the last run
+        while True:
+            block = self._queue.get()
+            if block is None:
+                return
+            try:
+                self._write_one(block)
+            except Exception:  # noqa: BLE001 - pragma: no cover - belt and braces
+                log.exception("SSD cache: writer error")
+            finally:
+                with self._lock:
+                    self._pending.discard(block.key)
+                    self._done_one()
+
+    def _scan(self) -> None:
+        """Rebuild the index from file headers (no tensor data is read)."""
+        found: list[tuple[int, str, int, str]] = []
+        own_pid = os.getpid()
+        try:
+            subdirs = [e for e in os.scandir(self._dir) if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            if len(sub.name) != 2 or not set(sub.name) <= _HEX:
+                continue
+            try:
+                files = list(os.scandir(sub.path))
+            except OSError:
+                continue
+            for ent in files:
+                name = ent.name
+                if _TMP_MARK in name:
+                    if _stale_tmp(name, own_pid):
+                        _unlink(ent.path)
+                        with self._lock:
+                            self._counters["stale_tmp_removed"] += 1
+                    continue
+                if not name.endswith(_SUFFIX):
+                    continue
+                key = name[: -len(_SUFFIX)]
+                if not _is_key(key) or key[:2] != sub.name:
+                    continue
+                try:
+                    st = ent.stat()
+                    meta = read_header(ent.path, st.st_size)
+                    if meta["key"] != key:
+                        raise CorruptBlockFile("file name and metadata key differ")
+                except FileNotFoundError:
+                    continue
+                except (CorruptBlockFile, OSError) as exc:
+                    self._discard(key, Path(ent.path), exc)
+                    continue
+                found.append((st.st_mtime_ns, key, st.st_size, meta["fingerprint"]))
+        found.sort()
+        with self._lock:
+            rebuilt: OrderedDict[str, _Entry] = OrderedDict()
+            for _mtime, key, size, fp in found:
+                if key not in self._scan_removed:
+                    rebuilt[key] = _Entry(size, fp)
+            for key, entry in self._index.items():  # hits during the scan are the newest
+                rebuilt.pop(key, None)
+                rebuilt[key] = entry
+            self._index = rebuilt
+            self._bytes = sum(e.size for e in rebuilt.values())
+            self._scan_removed.clear()
+
+    # ------------------------------------------------------------------ maintenance
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry.size
+
+    def _discard(self, key: str, path: Path, reason: BaseException) -> None:
+        log.warning("SSD cache: discarding %s: %s", path.name, reason)
+        _unlink(path)
+        with self._lock:
+            self._forget(key)
+            if not self._ready.is_set():
+                self._scan_removed.add(key)
+            self._counters["discarded"] += 1
+
+    def clear(self) -> None:
+        """Delete every block (and pending write) of this tier; counters are kept."""
+        if not self.enabled:
+            return
+        self._ready.wait()
+        with self._io_lock:
+            self._drain_queue(count_as_dropped=False)
+            with self._lock:
+                self._index.clear()
+                self._bytes = 0
+            for sub in os.scandir(self._dir):
+                if not (sub.is_dir(follow_symlinks=False) and len(sub.name) == 2):
+                    continue
+                for ent in os.scandir(sub.path):
+                    if ent.name.endswith(_SUFFIX) or _TMP_MARK in ent.name:
+                        _unlink(ent.path)
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Finish queued writes (up to ``timeout``), stop the writer and the read pool."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self.flush(timeout)
+            self._drain_queue(count_as_dropped=True)
+            self._queue.put(None)
+            self._thread.join(timeout)
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> SSDTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {
+                "blocks": len(self._index),
+                "bytes": self._bytes,
+                "max_bytes": self._max_bytes,
+                **self._counters,
+                "queue_depth": self._queue.qsize(),
+                "writes_disabled": self._writes_disabled,
+                "index_ready": self._ready.is_set(),
+            }
+        return out
+
+
+def _check_identity(meta: Mapping[str, str], key: str, fingerprint: str) -> None:
+    if meta.get("key") != key:
+        raise CorruptBlockFile("metadata key does not match the file's key")
+    if meta.get("fingerprint") != fingerprint:
+        raise CorruptBlockFile("block belongs to another model fingerprint")
+
+
+def _stale_tmp(name: str, own_pid: int) -> bool:
+    """A temp file is stale unless a live process other than us may still be writing it."""
+    try:
+        pid = int(name.rsplit(_TMP_MARK, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return True
+    return pid == own_pid or not _pid_alive(pid)
+
+
+def _looks_like_io_error(exc: BaseException) -> bool:
+    """MLX may wrap an OS write error in a RuntimeError; recognise the usual ones."""
+    text = str(exc).lower()
+    needles = ("no space", "i/o error", "permission denied", "read-only", "disk quota")
+    return any(n in text for n in needles) or getattr(exc, "errno", None) in (
+        errno.ENOSPC,
+        errno.EIO,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.EDQUOT,
+    )

@@ -1,0 +1,167 @@
+"""The `omlx` command line: serve, diagnose, models list / import-gguf.
+
+`serve`'s options are generated from `omlx.settings.SETTINGS`, so every setting
+has exactly one flag, one env var and one help text. User errors print one line
+and exit non-zero; tracebacks are for our bugs only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import inspect
+import typer
+from rich.console import Console
+
+from omlx.errors import ConfigError
+from omlx.settings import SETTINGS, load_settings
+
+console = Console(stderr=True, soft_wrap=True)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="oMLX: local LLM server on MLX.")
+models_app = typer.Typer(no_args_is_help=True, help="List and import models.")
+app.add_typer(models_app, name="models")
+
+
+def fail(message: str, code: int = 2) -> None:
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    raise SystemExit(code)
+
+
+def _serve_signature() -> inspect.Signature:
+    """typer options for `serve`, one per setting, all defaulting to None (= not given)."""
+    params = []
+    for s in SETTINGS:
+        if s.type is bool:
+            option = typer.Option(None, f"{s.flag}/--no-{s.flag[2:]}", help=s.help, show_default=False)
+            annotation: Any = bool | None
+        else:
+            option = typer.Option(None, s.flag, help=s.help, show_default=False)
+            annotation = {int: int, float: float}.get(s.type, str) | None
+        params.append(inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+    return inspect.Signature(params)
+
+
+def serve(**cli: Any) -> None:
+    """Start the HTTP server (provisions the default model when the model dir is empty)."""
+    from omlx.platform_info import maybe_reexec_with_openblas
+
+    maybe_reexec_with_openblas()
+    try:
+        settings = load_settings(cli)
+    except ConfigError as exc:
+        fail(str(exc))
+    from omlx.server.runner import run_server
+
+    run_server(settings)
+
+
+serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
+app.command("serve")(serve)
+
+
+@app.command()
+def diagnose(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Print platform, MLX, device, memory, directories and discovered models."""
+    from omlx.platform_info import BLAS_HINT, maybe_reexec_with_openblas, platform_summary
+
+    maybe_reexec_with_openblas()
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        fail(str(exc))
+    from omlx.models.discovery import discover_models
+    from omlx.models.loader import resolve_compute_dtype
+
+    info = platform_summary()
+    found = discover_models(settings.model_dir)
+    info.update(
+        {
+            "compute_dtype": resolve_compute_dtype(settings.compute_dtype),
+            "home": str(settings.home),
+            "model_dir": str(settings.model_dir),
+            "cache_dir": str(settings.cache_dir),
+            "models": sorted(found.models),
+            "model_problems": [f"{p.path}: {p.reason}" for p in found.problems],
+        }
+    )
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        if isinstance(value, list):
+            value = ", ".join(value) or "(none)"
+        print(f"{key:>18}: {value}")
+    if info.get("type") == "cpu" and "OpenBLAS" not in str(info.get("blas")) and sys.platform == "linux":
+        print(f"{'hint':>18}: {BLAS_HINT}")
+
+
+@models_app.command("list")
+def models_list(
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="Folder to scan (default: the setting)."),
+) -> None:
+    """List discovered models and report folders that are not valid models."""
+    try:
+        settings = load_settings({"model_dir": model_dir})
+    except ConfigError as exc:
+        fail(str(exc))
+    from omlx.models.discovery import discover_models
+
+    root = settings.model_dir
+    if not root.exists():
+        fail(f"Model dir {root} does not exist. Create it or pass --model-dir.")
+    found = discover_models(root)
+    if not found.models:
+        print(f"No models in {root}.")
+    for model_id, info in sorted(found.models.items()):
+        ctx = info.context_length or "?"
+        print(f"{model_id}\t{info.type}\tctx={ctx}\t{info.weight_bytes / 1e6:.1f} MB\t{info.path}")
+    for problem in found.problems:
+        print(f"skipped {problem.path}: {problem.reason}")
+
+
+@models_app.command("import-gguf")
+def models_import_gguf(
+    path: Path = typer.Argument(..., help="The .gguf file."),
+    name: str | None = typer.Option(None, "--name", help="Model id (folder name); default: the file's stem."),
+    q_bits: int | None = typer.Option(None, "--q-bits", help="Re-quantize dequantized K-quant weights to 4 or 8 bits."),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="Where to put it (default: the setting)."),
+) -> None:
+    """Turn a GGUF file into an MLX model folder in the model dir."""
+    try:
+        settings = load_settings({"model_dir": model_dir})
+    except ConfigError as exc:
+        fail(str(exc))
+    if q_bits not in (None, 4, 8):
+        fail("--q-bits must be 4 or 8.")
+    if not path.is_file():
+        fail(f"{path} is not a file. Pass the path of a .gguf file.")
+    from rich.progress import Progress
+
+    from omlx.models.gguf_import import GGUFImportError, import_gguf
+
+    out = settings.model_dir / (name or path.name.removesuffix(".gguf"))
+    if out.exists():
+        fail(f"{out} already exists. Choose another --name or delete it.")
+    settings.model_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("importing", total=1.0)
+            import_gguf(path, out, q_bits=q_bits, progress=lambda stage, f: progress.update(task, completed=f, description=stage))
+    except GGUFImportError as exc:
+        fail(str(exc))
+    print(f"imported {path.name} as {out.name} into {out}")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app(prog_name="omlx")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""One LLM engine per loaded model: a thread that owns every MLX call for that model.
+
+The asyncio side calls `generate()`, which puts the request in the engine's inbox
+and yields `GenerationEvent`s as the thread produces them. The thread admits
+requests into mlx-lm's `BatchGenerator` (continuous batching, chunked prefill),
+restores cached prefixes, turns tokens into text with stop strings applied, and
+stores new prefix-cache blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from omlx.engine.prompt_logprobs import compute_prompt_logprobs
+from omlx.engine.request import GenerationEvent, GenerationRequest, TokenLogprob
+from omlx.engine.sampling import build_logits_processors, build_sampler
+from omlx.engine.stop_strings import StopStringMatcher
+from omlx.errors import EngineError, OverloadedError
+from omlx.models.loader import LoadedLLM
+
+log = logging.getLogger("omlx.engine")
+
+
+class PrefixCacheHooks:
+    """What the engine asks of a prefix cache; the default caches nothing."""
+
+    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        return None, 0
+
+    def store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
+        return None
+
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        return None
+
+
+@dataclass
+class _Handle:
+    """A request as the asyncio side holds it."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    done: bool = False
+
+
+@dataclass
+class _Running:
+    """A request as the engine thread holds it."""
+
+    handle: _Handle
+    uid: int
+    detokenizer: Any
+    stops: StopStringMatcher
+    prompt_len: int
+    cached_tokens: int
+    start: float
+    first_token: float | None = None
+    completion_tokens: int = 0
+    pending: GenerationEvent = field(default_factory=GenerationEvent)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_id: str,
+        loader: Callable[[], LoadedLLM],
+        *,
+        max_concurrent: int = 8,
+        max_waiting: int = 64,
+        prefill_step_size: int = 512,
+        prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
+    ):
+        self.model_id = model_id
+        self._loader = loader
+        self._prefix_cache_factory = prefix_cache_factory
+        self.loaded: LoadedLLM | None = None
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.context_length = 0
+        self.eos_ids: list[int] = []
+        self.model_vocab_size = 0
+        self.max_concurrent = max_concurrent
+        self.max_waiting = max_waiting
+        self.prefill_step_size = prefill_step_size
+        self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
+        self._ready = threading.Event()
+        self._load_error: BaseException | None = None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[_Handle] = deque()
+        self._running: dict[int, _Running] = {}
+        self._by_request: dict[str, _Handle] = {}
+        self._outstanding = 0  # submitted and not finished; read/written on the event loop
+        self.active_count = 0  # published by the engine thread for observers
+        self.waiting_count = 0
+        self._stop = threading.Event()
+        self._bg: BatchGenerator | None = None
+        self._thread = threading.Thread(target=self._run, name=f"engine:{model_id}", daemon=True)
+        self._thread.start()
+
+    # ----- asyncio side -------------------------------------------------------------
+    async def wait_ready(self) -> None:
+        """Wait for the model to finish loading on the engine thread; re-raise its failure."""
+        if not self._ready.is_set():
+            await asyncio.to_thread(self._ready.wait)
+        if self._load_error is not None:
+            raise self._load_error
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Submit a request and stream its events; closing the iterator cancels it."""
+        if self._outstanding >= self.max_concurrent + self.max_waiting:
+            raise OverloadedError(
+                f"Model '{self.model_id}' is busy: {self.max_concurrent} requests running and "
+                f"{self.max_waiting} waiting. Retry shortly.",
+                retry_after=2,
+            )
+        handle = _Handle(request, asyncio.get_running_loop(), asyncio.Queue())
+        self._outstanding += 1
+        self._inbox.put(("submit", handle))
+        try:
+            while True:
+                event: GenerationEvent = await handle.events.get()
+                if event.finish_reason is not None:
+                    handle.done = True
+                yield event
+                if handle.done:
+                    return
+        finally:
+            self._outstanding -= 1
+            if not handle.done:
+                handle.done = True
+                self._inbox.put(("cancel", request.request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps (MLX work such as tokenize-free scoring)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._inbox.put(("call", fn, loop, future))
+        return await future
+
+    def stats(self) -> dict[str, Any]:
+        return {"active": self.active_count, "waiting": self.waiting_count}
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    # ----- engine thread ------------------------------------------------------------
+    def _new_batch_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            max_tokens=1,
+            stop_tokens=[[t] for t in self.eos_ids],
+            completion_batch_size=self.max_concurrent,
+            prefill_batch_size=min(8, self.max_concurrent),
+            prefill_step_size=self.prefill_step_size,
+        )
+
+    def _load(self) -> bool:
+        try:
+            loaded = self._loader()
+            self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
+            self.context_length = loaded.context_length
+            self.eos_ids = sorted(set(loaded.tokenizer.eos_token_ids or []))
+            args = getattr(loaded.model, "args", None)
+            self.model_vocab_size = getattr(args, "vocab_size", None) or len(loaded.tokenizer)
+            if self._prefix_cache_factory is not None:
+                self.prefix_cache = self._prefix_cache_factory(loaded)
+            self._bg = self._new_batch_generator()
+            return True
+        except BaseException as exc:  # reported to every waiter by wait_ready()
+            log.exception("loading %s failed", self.model_id)
+            self._load_error = exc
+            return False
+        finally:
+            self._ready.set()
+
+    def _run(self) -> None:
+        if not self._load():
+            return
+        while not self._stop.is_set():
+            idle = not self._running and not self._waiting
+            try:
+                self._drain_inbox(block=idle)
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception as exc:  # an engine fault fails the requests in flight, not the server
+                log.exception("engine %s failed a step; failing %d requests", self.model_id, len(self._running))
+                for state in list(self._running.values()):
+                    self._finish(state, "error", error=f"engine failure: {exc}")
+                self._bg = self._new_batch_generator()
+            self.active_count = len(self._running)
+            self.waiting_count = len(self._waiting)
+        self._bg.close()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = msg[0]
+            if kind == "submit":
+                handle = msg[1]
+                self._waiting.append(handle)
+                self._by_request[handle.request.request_id] = handle
+            elif kind == "cancel":
+                self._cancel(msg[1])
+            elif kind == "call":
+                _, fn, loop, future = msg
+                try:
+                    result = fn()
+                except Exception as exc:  # delivered to the awaiting caller
+                    loop.call_soon_threadsafe(_set_exception, future, exc)
+                else:
+                    loop.call_soon_threadsafe(_set_result, future, result)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, request_id: str) -> None:
+        handle = self._by_request.pop(request_id, None)
+        if handle is None:
+            return
+        if handle in self._waiting:
+            self._waiting.remove(handle)
+            return
+        for uid, state in list(self._running.items()):
+            if state.handle is handle:
+                self._bg.remove([uid])
+                del self._running[uid]
+                self._log_finished(state, "cancelled")
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_concurrent:
+            handle = self._waiting.popleft()
+            try:
+                self._insert(handle)
+            except Exception as exc:
+                log.exception("request %s failed at admission", handle.request.request_id)
+                self._by_request.pop(handle.request.request_id, None)
+                self._emit(handle, GenerationEvent(finish_reason="error", error=str(exc)))
+
+    def _insert(self, handle: _Handle) -> None:
+        req = handle.request
+        tokens = req.prompt_tokens
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
+        if req.max_tokens <= 0:
+            self._by_request.pop(req.request_id, None)
+            self._emit(
+                handle,
+                GenerationEvent(
+                    finish_reason="length", prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs
+                ),
+            )
+            return
+        cache, cached = self.prefix_cache.lookup(tokens)
+        stop_seqs = None
+        if req.stop_token_ids:
+            stop_seqs = [StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])]
+        sampler = build_sampler(req.sampling)
+        uid = self._bg.insert(
+            [tokens[cached:]],
+            max_tokens=[req.max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[tokens[:cached]] if cached else None,
+            samplers=[sampler] if sampler is not None else None,
+            logits_processors=[build_logits_processors(req.sampling)],
+            stop_sequences=stop_seqs,
+        )[0]
+        state = _Running(
+            handle=handle,
+            uid=uid,
+            detokenizer=self.tokenizer.detokenizer,
+            stops=StopStringMatcher(req.stop),
+            prompt_len=len(tokens),
+            cached_tokens=cached,
+            start=time.perf_counter(),
+        )
+        state.pending.prompt_logprobs = prompt_logprobs
+        self._running[uid] = state
+        self.prefix_cache.record(len(tokens), cached)
+
+    def _step(self) -> None:
+        prompt_responses, generation_responses = self._bg.next()
+        for pr in prompt_responses:
+            if pr.end_of_prompt and pr.uid in self._running:
+                state = self._running[pr.uid]
+                cache_and_tokens = self._bg.extract_cache([pr.uid]).get(pr.uid)
+                if cache_and_tokens is not None:
+                    self.prefix_cache.store(list(cache_and_tokens[1]), cache_and_tokens[0], final=False)
+                del state  # stored; generation continues
+        touched: list[_Running] = []
+        for r in generation_responses:
+            state = self._running.get(r.uid)
+            if state is None:
+                continue
+            self._on_token(state, r)
+            if r.uid in self._running:
+                touched.append(state)
+        for state in touched:
+            self._flush(state)
+
+    def _on_token(self, state: _Running, r: Any) -> None:
+        now = time.perf_counter()
+        if state.first_token is None:
+            state.first_token = now
+        state.completion_tokens += 1
+        req = state.handle.request
+        is_stop_token = r.finish_reason == "stop" and (
+            r.token in self.eos_ids or r.token in req.stop_token_ids
+        )
+        ev = state.pending
+        if not is_stop_token:
+            state.detokenizer.add_token(r.token)
+            ev.token_ids.append(r.token)
+            if req.logprobs is not None:
+                ev.logprobs.append(_token_logprob(r.logprobs, r.token, req.logprobs))
+        if r.finish_reason is not None:
+            state.detokenizer.finalize()
+        text, hit = state.stops.feed(state.detokenizer.last_segment, final=r.finish_reason is not None)
+        ev.text += text
+        if hit:
+            if r.finish_reason is None:
+                self._bg.remove([r.uid])
+            self._finish(state, "stop")
+        elif r.finish_reason is not None:
+            if r.prompt_cache is not None and r.all_tokens is not None:
+                self.prefix_cache.store(list(r.all_tokens), r.prompt_cache, final=True)
+            self._finish(state, r.finish_reason)
+
+    def _flush(self, state: _Running) -> None:
+        ev = state.pending
+        if ev.text or ev.token_ids or ev.prompt_logprobs is not None:
+            state.pending = GenerationEvent()
+            self._emit(state.handle, ev)
+
+    def _finish(self, state: _Running, reason: str, error: str | None = None) -> None:
+        ev = state.pending
+        ev.finish_reason = reason  # type: ignore[assignment]
+        ev.error = error
+        ev.prompt_tokens = state.prompt_len
+        ev.cached_tokens = state.cached_tokens
+        ev.completion_tokens = state.completion_tokens
+        ev.first_token_time = state.first_token
+        self._running.pop(state.uid, None)
+        self._by_request.pop(state.handle.request.request_id, None)
+        self._emit(state.handle, ev)
+        self._log_finished(state, reason)
+
+    def _log_finished(self, state: _Running, reason: str) -> None:
+        now = time.perf_counter()
+        ttft = (state.first_token or now) - state.start
+        decode_s = now - (state.first_token or now)
+        tps = (state.completion_tokens - 1) / decode_s if decode_s > 0 and state.completion_tokens > 1 else 0.0
+        log.info(
+            "request=%s model=%s prompt=%d cached=%d completion=%d ttft=%.3fs decode=%.1ftok/s finish=%s cache=%s",
+            state.handle.request.request_id,
+            self.model_id,
+            state.prompt_len,
+            state.cached_tokens,
+            state.completion_tokens,
+            ttft,
+            tps,
+            reason,
+            "hit" if state.cached_tokens else "miss",
+        )
+
+    @staticmethod
+    def _emit(handle: _Handle, event: GenerationEvent) -> None:
+        handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+def _token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+    chosen = logprobs[token].item()
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        idx = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        vals = logprobs[idx]
+        order = mx.argsort(-vals)
+        alternatives = list(zip(idx[order].tolist(), vals[order].tolist(), strict=True))
+    return TokenLogprob(token, float(chosen), alternatives)
+
+
+__all__ = ["LLMEngine", "PrefixCacheHooks", "EngineError"]

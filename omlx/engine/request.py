@@ -1,0 +1,82 @@
+"""The one internal request/event model that every API converts to and from.
+
+OpenAI chat/completions, Anthropic Messages and Responses all build a
+`GenerationRequest` (token ids + sampling + stop rules) and consume the same
+stream of `GenerationEvent`s; no API is implemented by translating into another
+API's wire format.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+_ids = itertools.count(1)
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{int(time.time() * 1000):x}{next(_ids):05d}"
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate. `n > 1` at the API layer becomes n requests."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # None: off; k >= 0: chosen token + top-k alternatives
+    prompt_logprobs: int | None = None  # for completions `echo` + logprobs
+    created: float = field(default_factory=time.time)
+
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationEvent:
+    """A step's worth of output for one request.
+
+    `text` is the new text since the previous event (stop strings already cut),
+    `finish_reason` is set on the last event, which also carries the usage.
+    """
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    first_token_time: float | None = None

@@ -1,0 +1,106 @@
+"""Facts about the machine: MLX device, memory, and which BLAS MLX's CPU path uses.
+
+The `mlx-cpu` wheel bundles a reference BLAS that is ~16x slower than OpenBLAS for
+float32 matrix products. When a system OpenBLAS is installed we preload it
+(re-exec with LD_PRELOAD before MLX is imported), and we say which is in use.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+REEXEC_MARK = "OMLX_BLAS_PRELOADED"
+BLAS_HINT = (
+    "For ~16x faster float32 matmuls on a Linux CPU install OpenBLAS "
+    "(Debian/Ubuntu: sudo apt-get install libopenblas0-pthread); oMLX preloads it automatically."
+)
+
+
+def find_openblas() -> str | None:
+    for path in OPENBLAS_CANDIDATES:
+        if Path(path).exists():
+            return path
+    return None
+
+
+def maybe_reexec_with_openblas() -> None:
+    """On Linux, restart this process once with OpenBLAS preloaded, if it is installed.
+
+    Must run before `mlx` is imported; set OMLX_NO_BLAS_PRELOAD=1 to opt out.
+    """
+    if sys.platform != "linux" or os.environ.get("OMLX_NO_BLAS_PRELOAD") == "1":
+        return
+    if os.environ.get(REEXEC_MARK) or "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return
+    lib = find_openblas()
+    if lib is None:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    env[REEXEC_MARK] = "1"
+    os.execve(sys.executable, [sys.executable, "-m", "omlx", *sys.argv[1:]], env)
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process has mapped (Linux), judged from /proc/self/maps."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    if "libopenblas" in maps:
+        return "OpenBLAS"
+    if "libmkl" in maps:
+        return "MKL"
+    return "reference BLAS (bundled with mlx-cpu; slow)"
+
+
+def device_info() -> dict[str, Any]:
+    import mlx.core as mx
+
+    device = mx.default_device()
+    info: dict[str, Any] = {"device": str(device), "type": "gpu" if device.type == mx.gpu else "cpu"}
+    if device.type == mx.gpu:
+        try:
+            dev = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+            info.update({k: v for k, v in dev.items() if isinstance(v, (int, float, str))})
+        except Exception as exc:  # device_info differs per backend and version
+            info["device_info_error"] = str(exc)
+    return info
+
+
+def memory_info() -> dict[str, int]:
+    vm = psutil.virtual_memory()
+    return {"total_bytes": vm.total, "available_bytes": vm.available}
+
+
+def platform_summary() -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": sys.version.split()[0],
+        "mlx": getattr(mx, "__version__", "unknown"),
+        "mlx_lm": getattr(mlx_lm, "__version__", "unknown"),
+        **device_info(),
+        **memory_info(),
+        "cpu_count": os.cpu_count(),
+        "blas": blas_in_use() if device_info()["type"] == "cpu" else "n/a (GPU)",
+    }

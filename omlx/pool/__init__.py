@@ -1,0 +1,1 @@
+"""Engine pool: which models are loaded, loading them once, and (later) evicting them."""

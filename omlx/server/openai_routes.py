@@ -1,0 +1,404 @@
+"""OpenAI-compatible routes: chat completions, completions, models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from omlx.api.chat_template import content_text, normalize_tool_calls, render_chat
+from omlx.api.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from omlx.engine.llm_engine import LLMEngine
+from omlx.engine.request import GenerationRequest, SamplingParams, TokenLogprob, new_request_id
+from omlx.errors import InvalidRequestError
+from omlx.server.generation import Collected, collect, completion_budget, merged, usage_dict
+from omlx.server.sse import KEEPALIVE, sse_data, with_keepalive
+
+router = APIRouter()
+KEEPALIVE_SECONDS = 10.0
+
+
+def sampling_from(req: SamplingFields, vocab_size: int) -> SamplingParams:
+    bias = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            tok = int(key)
+            if not 0 <= tok < vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias names token {tok}, outside the vocabulary (0..{vocab_size - 1}).",
+                    param="logit_bias",
+                )
+            bias[tok] = value
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        logit_bias=bias,
+    )
+
+
+def _fan_out(base: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n choices = n sequences; seeded ones get distinct but reproducible seeds."""
+    out = []
+    for i in range(n):
+        sampling = SamplingParams(**vars(base.sampling))
+        if sampling.seed is not None and i:
+            sampling.seed = sampling.seed + i
+        out.append(
+            GenerationRequest(
+                request_id=f"{base.request_id}-{i}" if n > 1 else base.request_id,
+                prompt_tokens=base.prompt_tokens,
+                max_tokens=base.max_tokens,
+                sampling=sampling,
+                stop=base.stop,
+                logprobs=base.logprobs,
+                prompt_logprobs=base.prompt_logprobs,
+            )
+        )
+    return out
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def chat_logprobs(tokenizer: Any, items: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(i.token, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]}
+            for i in items
+        ]
+    }
+
+
+def completion_logprobs(
+    tokenizer: Any, items: list[TokenLogprob | None], offset0: int = 0
+) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = offset0
+    for item in items:
+        if item is None:
+            continue
+        text = _token_text(tokenizer, item.token)
+        tokens.append(text)
+        token_lps.append(item.logprob)
+        tops.append({_token_text(tokenizer, t): lp for t, lp in item.top} if item.top else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """OpenAI messages → HF chat-template messages."""
+    out = []
+    for i, m in enumerate(req.messages):
+        role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
+        msg: dict[str, Any] = {"role": role, "content": content_text(m.content, f"messages.{i}.content")}
+        calls = normalize_tool_calls(m.tool_calls)
+        if calls:
+            msg["tool_calls"] = calls
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _pool(request: Request) -> Any:
+    return request.app.state.pool
+
+
+async def _engine(request: Request, model: str) -> LLMEngine:
+    return await _pool(request).acquire(model)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    engine = await _engine(request, body.model)
+    tokenizer = engine.tokenizer
+    tools = [t.get("function", t) if t.get("type") == "function" else t for t in (body.tools or [])] or None
+    messages = chat_messages(body)
+    prompt = await asyncio.to_thread(
+        render_chat, tokenizer, messages, tools=tools, template_kwargs=body.chat_template_kwargs
+    )
+    settings = request.app.state.settings
+    requested = body.max_completion_tokens or body.max_tokens
+    if requested == 0:
+        raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
+    budget = completion_budget(engine, len(prompt), requested, settings.default_max_tokens)
+    top = body.top_logprobs if body.top_logprobs is not None else 0
+    base = GenerationRequest(
+        request_id=new_request_id("chatcmpl"),
+        prompt_tokens=prompt,
+        max_tokens=budget,
+        sampling=sampling_from(body, engine.model_vocab_size),
+        stop=body.stop_list(),
+        logprobs=top if body.logprobs else None,
+    )
+    requests = _fan_out(base, body.n)
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _chat_stream(engine, requests, base.request_id, body.model, created, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    results = await collect(engine, requests)
+    return JSONResponse(
+        {
+            "id": base.request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "logprobs": chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None,
+                    "finish_reason": r.finish_reason,
+                }
+                for i, r in enumerate(results)
+            ],
+            "usage": _usage(results),
+        }
+    )
+
+
+def _usage(results: list[Collected]) -> dict[str, Any]:
+    first = results[0]
+    return usage_dict(
+        first.prompt_tokens, sum(r.completion_tokens for r in results), first.cached_tokens
+    )
+
+
+async def _chat_stream(
+    engine: LLMEngine,
+    requests: list[GenerationRequest],
+    rid: str,
+    model: str,
+    created: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    def chunk(choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False) -> str:
+        payload = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if with_usage:
+            payload["usage"] = usage
+        return sse_data(payload)
+
+    for i in range(len(requests)):
+        yield chunk(
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            None,
+            include_usage,
+        )
+    finals: list[Collected] = [Collected() for _ in requests]
+    want_logprobs = requests[0].logprobs is not None
+    async for item in with_keepalive(merged(engine, requests), KEEPALIVE_SECONDS):
+        if item is KEEPALIVE:
+            yield ": keep-alive\n\n"
+            continue
+        i, ev = item  # type: ignore[misc]
+        if ev.finish_reason == "error":
+            yield sse_data({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}})
+            return
+        if ev.text or ev.token_ids:
+            lp = chat_logprobs(engine.tokenizer, ev.logprobs) if want_logprobs else None
+            if ev.text or lp:
+                yield chunk(
+                    [{"index": i, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None}],
+                    None,
+                    include_usage,
+                )
+        if ev.finish_reason is not None:
+            finals[i].add(ev)
+            yield chunk(
+                [{"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}],
+                None,
+                include_usage,
+            )
+    if include_usage:
+        yield chunk([], _usage(finals), True)
+    yield "data: [DONE]\n\n"
+
+
+def _completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [list(tokenizer.encode(prompt))]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, str) for p in prompt):
+        return [list(tokenizer.encode(p)) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [list(p) for p in prompt]
+    raise InvalidRequestError("prompt must be a string, a list of strings, or token ids.", param="prompt")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    engine = await _engine(request, body.model)
+    tokenizer = engine.tokenizer
+    prompts = await asyncio.to_thread(_completion_prompts, tokenizer, body.prompt)
+    vocab = engine.model_vocab_size
+    for p in prompts:
+        if not p:
+            raise InvalidRequestError("prompt must not be empty.", param="prompt")
+        if any(not 0 <= t < vocab for t in p):
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
+    settings = request.app.state.settings
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidRequestError("max_tokens 0 is only meaningful with echo.", param="max_tokens")
+    if body.stream and body.echo and body.logprobs is not None:
+        raise InvalidRequestError("echo with logprobs is not supported when streaming.", param="echo")
+    sampling = sampling_from(body, vocab)
+    requests: list[GenerationRequest] = []
+    for p in prompts:
+        budget = completion_budget(engine, len(p), body.max_tokens, settings.default_max_tokens, allow_zero=body.echo)
+        base = GenerationRequest(
+            request_id=new_request_id("cmpl"),
+            prompt_tokens=p,
+            max_tokens=budget,
+            sampling=sampling,
+            stop=body.stop_list(),
+            logprobs=body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+        )
+        requests += _fan_out(base, body.n)
+    rid = requests[0].request_id.rsplit("-", 1)[0] if body.n > 1 else requests[0].request_id
+    created = int(time.time())
+    prompt_texts = [tokenizer.decode(p) for p in prompts for _ in range(body.n)]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _completion_stream(engine, requests, rid, body.model, created, include_usage, prompt_texts if body.echo else None),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    results = await collect(engine, requests)
+    choices = []
+    for i, r in enumerate(results):
+        text = (prompt_texts[i] + r.text) if body.echo else r.text
+        lp = None
+        if body.logprobs is not None:
+            items: list[TokenLogprob | None] = []
+            if body.echo and r.prompt_logprobs is not None:
+                first = requests[i].prompt_tokens[0]
+                # The first prompt token has no probability: OpenAI reports null for it.
+                items = [TokenLogprob(first, None, [])] + list(r.prompt_logprobs[1:])  # type: ignore[arg-type]
+            items += r.logprobs
+            lp = completion_logprobs(tokenizer, items)
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": r.finish_reason or "length"})
+    prompt_total = sum(len(p) for p in prompts)
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage_dict(
+                prompt_total,
+                sum(r.completion_tokens for r in results),
+                sum(r.cached_tokens for r in results[:: body.n]),
+            ),
+        }
+    )
+
+
+async def _completion_stream(
+    engine: LLMEngine,
+    requests: list[GenerationRequest],
+    rid: str,
+    model: str,
+    created: int,
+    include_usage: bool,
+    echo_texts: list[str] | None,
+) -> AsyncIterator[str]:
+    def chunk(choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False) -> str:
+        payload = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if with_usage:
+            payload["usage"] = usage
+        return sse_data(payload)
+
+    if echo_texts:
+        for i, text in enumerate(echo_texts):
+            yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}], None, include_usage)
+    finals: list[Collected] = [Collected() for _ in requests]
+    want_logprobs = requests[0].logprobs is not None
+    async for item in with_keepalive(merged(engine, requests), KEEPALIVE_SECONDS):
+        if item is KEEPALIVE:
+            yield ": keep-alive\n\n"
+            continue
+        i, ev = item  # type: ignore[misc]
+        if ev.finish_reason == "error":
+            yield sse_data({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}})
+            return
+        if ev.text or (want_logprobs and ev.logprobs):
+            lp = completion_logprobs(engine.tokenizer, list(ev.logprobs)) if want_logprobs else None
+            yield chunk([{"index": i, "text": ev.text, "logprobs": lp, "finish_reason": None}], None, include_usage)
+        if ev.finish_reason is not None:
+            finals[i].add(ev)
+            yield chunk([{"index": i, "text": "", "logprobs": None, "finish_reason": ev.finish_reason}], None, include_usage)
+    if include_usage:
+        first_of_each = finals
+        usage = usage_dict(
+            sum(len(r.prompt_tokens) for r in requests),
+            sum(f.completion_tokens for f in first_of_each),
+            sum(f.cached_tokens for f in first_of_each),
+        )
+        yield chunk([], usage, True)
+    yield "data: [DONE]\n\n"
+
+
+def model_card(info: Any, pool: Any) -> dict[str, Any]:
+    engine = pool.engines.get(info.id)
+    context = engine.context_length if engine else info.context_length
+    return {
+        "id": info.id,
+        "object": "model",
+        "created": int(info.path.stat().st_mtime),
+        "owned_by": "omlx",
+        "type": info.type,
+        "context_length": context,
+        "max_model_len": context,
+        "loaded": engine is not None,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    pool = _pool(request)
+    pool.refresh()
+    return {"object": "list", "data": [model_card(info, pool) for _, info in sorted(pool.models().items())]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    pool = _pool(request)
+    return model_card(pool.resolve(model_id), pool)

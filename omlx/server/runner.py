@@ -1,0 +1,80 @@
+"""Start-up: logging, model-dir checks, default-model provisioning, then uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from omlx.settings import Settings
+
+log = logging.getLogger("omlx")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def prepare_model_dir(settings: Settings) -> None:
+    """Check the model dir; provision the built-in default model when it holds none."""
+    from omlx.models.discovery import discover_models
+
+    root = settings.model_dir
+    if root.exists() and not root.is_dir():
+        _fail(f"Model dir {root} is not a folder. Pass --model-dir with a folder.")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        list(root.iterdir())
+    except OSError as exc:
+        _fail(f"Model dir {root} is not usable ({exc.strerror}). Pass --model-dir with a readable folder.")
+    found = discover_models(root)
+    for problem in found.problems:
+        log.warning("skipping %s: %s", problem.path, problem.reason)
+    if found.models:
+        return
+    from omlx.models.default_model import DEFAULT_MODEL_ID, provision_default_model
+
+    print(f"No models in {root}: provisioning the built-in default model {DEFAULT_MODEL_ID}…", file=sys.stderr)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    try:
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("importing", total=1.0)
+            provision_default_model(
+                root, progress=lambda stage, f: progress.update(task, completed=f, description=stage)
+            )
+    except Exception as exc:  # report the reason in one line; the server cannot start without a model
+        _fail(f"Could not provision {DEFAULT_MODEL_ID}: {exc}")
+
+
+def run_server(settings: Settings) -> None:
+    configure_logging(settings.log_level)
+    prepare_model_dir(settings)
+    from omlx.platform_info import BLAS_HINT, blas_in_use, device_info
+    from omlx.models.loader import resolve_compute_dtype
+    from omlx.server.app import create_app
+
+    dev = device_info()
+    blas = blas_in_use() if dev["type"] == "cpu" else "n/a"
+    log.info(
+        "device=%s compute_dtype=%s blas=%s", dev["device"], resolve_compute_dtype(settings.compute_dtype), blas
+    )
+    if dev["type"] == "cpu" and sys.platform == "linux" and "OpenBLAS" not in blas:
+        log.warning(BLAS_HINT)
+    if not settings.api_key and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("No API key is set and the server binds %s: anyone who can reach it can use it.", settings.host)
+    elif not settings.api_key:
+        log.info("No API key set: binding loopback only (%s).", settings.host)
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

@@ -1,0 +1,231 @@
+"""Every server setting, declared once: name, type, default, help, CLI flag and env var.
+
+Layering: CLI flag > ``OMLX_<NAME>`` environment variable > ``$OMLX_HOME/settings.json``
+> default. The CLI options and the README's settings table are generated from
+``SETTINGS`` so the documentation cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omlx.errors import ConfigError
+
+
+def omlx_home() -> Path:
+    """`OMLX_HOME` relocates ~/.omlx (tests use temporary homes)."""
+    return Path(os.environ.get("OMLX_HOME") or Path.home() / ".omlx").expanduser()
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    # Defaults that depend on OMLX_HOME are shown as text and resolved at load time.
+    default_doc: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "OMLX_" + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("host", str, "127.0.0.1", "Address to bind. Without an API key only loopback is safe."),
+    Setting("port", int, 8000, "TCP port to listen on.", minimum=1),
+    Setting(
+        "model_dir", Path, None, "Folder scanned for models.", default_doc="$OMLX_HOME/models"
+    ),
+    Setting("model", str, None, "Model id to load at start (default: load on first request)."),
+    Setting("api_key", str, None, "Require this key (Bearer or x-api-key) on every /v1 route."),
+    Setting(
+        "max_concurrent_requests", int, 8, "Sequences decoded together per model.", minimum=1
+    ),
+    Setting(
+        "max_waiting_requests",
+        int,
+        64,
+        "Requests allowed to wait for a batch slot; beyond it 429 with Retry-After.",
+        minimum=0,
+    ),
+    Setting(
+        "prefill_step_size",
+        int,
+        512,
+        "Prompt tokens prefilled per engine step, so running streams keep flowing.",
+        minimum=16,
+    ),
+    Setting(
+        "default_max_tokens",
+        int,
+        4096,
+        "Completion limit when a request sets none (always clamped to the context window).",
+        minimum=1,
+    ),
+    Setting(
+        "compute_dtype",
+        str,
+        "auto",
+        "Dtype models compute in. auto: float32 on a CPU (fastest there), the model's own dtype on a GPU.",
+        choices=("auto", "float32", "bfloat16", "float16", "native"),
+    ),
+    Setting("cache_dir", Path, None, "SSD tier of the prefix cache.", default_doc="$OMLX_HOME/cache"),
+    Setting(
+        "cache_block_size", int, 256, "Tokens per prefix-cache block.", minimum=16
+    ),
+    Setting(
+        "hot_cache_max_size",
+        str,
+        "10%",
+        "Hot prefix-cache tier budget (device memory on a GPU, RAM otherwise): bytes like 2GB or a share like 20%.",
+    ),
+    Setting(
+        "ssd_cache_max_size",
+        str,
+        "10%",
+        "SSD prefix-cache tier budget: bytes like 50GB or a share of the disk like 10%.",
+    ),
+    Setting("hot_cache_only", bool, False, "Keep the prefix cache in memory only (no SSD tier)."),
+    Setting("no_cache", bool, False, "Disable the prefix cache entirely."),
+    Setting(
+        "log_level",
+        str,
+        "info",
+        "Log verbosity.",
+        choices=("debug", "info", "warning", "error"),
+    ),
+)
+
+SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass
+class Settings:
+    """The resolved settings; `sources` says where each value came from."""
+
+    values: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def home(self) -> Path:
+        return omlx_home()
+
+    def public_dict(self) -> dict[str, Any]:
+        """Values safe to show (the API key is masked)."""
+        out = {k: (str(v) if isinstance(v, Path) else v) for k, v in self.values.items()}
+        if out.get("api_key"):
+            out["api_key"] = "***"
+        return out
+
+
+def convert(setting: Setting, raw: Any, source: str) -> Any:
+    """Convert and validate one raw value; errors name the setting and its source."""
+    if raw is None:
+        return None
+    where = f"{setting.name} (from {source})"
+    try:
+        if setting.type is bool:
+            if isinstance(raw, bool):
+                value: Any = raw
+            else:
+                text = str(raw).strip().lower()
+                if text in ("1", "true", "yes", "on"):
+                    value = True
+                elif text in ("0", "false", "no", "off", ""):
+                    value = False
+                else:
+                    raise ValueError(f"expected true or false, got {raw!r}")
+        elif setting.type is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(f"expected an integer, got {raw!r}")
+            value = int(str(raw).strip()) if isinstance(raw, str) else int(raw)
+        elif setting.type is float:
+            value = float(raw)
+        elif setting.type is Path:
+            value = Path(str(raw)).expanduser()
+        else:
+            value = str(raw)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc) if "expected" in str(exc) else f"expected {setting.type.__name__}, got {raw!r}"
+        raise ConfigError(f"Invalid value for {where}: {msg}") from None
+    if setting.choices and value not in setting.choices:
+        raise ConfigError(
+            f"Invalid value for {where}: {value!r}; choose one of {', '.join(setting.choices)}"
+        )
+    if setting.minimum is not None and value < setting.minimum:
+        raise ConfigError(f"Invalid value for {where}: {value} is below the minimum {setting.minimum:g}")
+    return value
+
+
+def settings_file() -> Path:
+    return omlx_home() / "settings.json"
+
+
+def read_settings_file(path: Path | None = None) -> dict[str, Any]:
+    path = path or settings_file()
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"Cannot read {path}: {exc}. Fix or delete the file.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object of setting names to values.")
+    unknown = sorted(set(data) - set(SETTINGS_BY_NAME))
+    if unknown:
+        raise ConfigError(f"{path} has unknown settings: {', '.join(unknown)}")
+    return data
+
+
+def load_settings(cli: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Settings:
+    """Resolve every setting: CLI > env > settings.json > default."""
+    cli = {k: v for k, v in (cli or {}).items() if v is not None}
+    env = dict(os.environ if env is None else env)
+    file_values = read_settings_file()
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for s in SETTINGS:
+        if s.name in cli:
+            values[s.name], sources[s.name] = convert(s, cli[s.name], s.flag), "cli"
+        elif env.get(s.env) not in (None, ""):
+            values[s.name], sources[s.name] = convert(s, env[s.env], s.env), "env"
+        elif s.name in file_values:
+            values[s.name] = convert(s, file_values[s.name], str(settings_file()))
+            sources[s.name] = "file"
+        else:
+            values[s.name], sources[s.name] = s.default, "default"
+    home = omlx_home()
+    if values["model_dir"] is None:
+        values["model_dir"] = home / "models"
+    if values["cache_dir"] is None:
+        values["cache_dir"] = home / "cache"
+    return Settings(values, sources)
+
+
+def settings_table_markdown() -> str:
+    """The README's settings table, generated from SETTINGS."""
+    rows = ["| Flag | Env var | Default | Description |", "| --- | --- | --- | --- |"]
+    for s in SETTINGS:
+        default = s.default_doc or ("(none)" if s.default is None else str(s.default))
+        if s.type is bool:
+            default = "off" if not s.default else "on"
+        extra = f" One of: {', '.join(s.choices)}." if s.choices else ""
+        rows.append(f"| `{s.flag}` | `{s.env}` | `{default}` | {s.help}{extra} |")
+    return "\n".join(rows)

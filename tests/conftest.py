@@ -1,0 +1,42 @@
+"""Shared fixtures: a tiny random-weight model, temporary OMLX_HOME, a real server subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model dir holding one tiny random Llama, `tiny-llama`."""
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_llama(root / "tiny-llama")
+    return root
+
+
+@pytest.fixture()
+def omlx_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "omlx-home"
+    home.mkdir()
+    monkeypatch.setenv("OMLX_HOME", str(home))
+    for key in list(os.environ):
+        if key.startswith("OMLX_") and key != "OMLX_HOME":
+            monkeypatch.delenv(key)
+    return home
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A real `omlx serve` on the tiny model, shared by a test module."""
+    home = tmp_path_factory.mktemp("home")
+    server = ServerProcess(home, ["--model-dir", str(tiny_model_dir), "--model", "tiny-llama"])
+    server.start()
+    yield server
+    server.stop()
+    shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,746 @@
+"""Storage layer of the prefix KV cache: keys, checksums, RAM tier, SSD tier, sizes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from omlx.cache.block import CacheBlock, checksum
+from omlx.cache.block_hash import block_keys, model_fingerprint, weights_digest
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.sizes import parse_size
+from omlx.cache.ssd_tier import SSDTier, read_header
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+FP = model_fingerprint("models/tiny", "w" * 64, "bfloat16", "kv", 16)
+FP2 = model_fingerprint("models/other", "w" * 64, "bfloat16", "kv", 16)
+
+
+def make_block(
+    i: int,
+    fp: str = FP,
+    *,
+    tokens: int = 16,
+    layers: int = 2,
+    dtype: mx.Dtype = mx.bfloat16,
+    parent: str | None = None,
+) -> CacheBlock:
+    rng = np.random.default_rng(i)
+    tensors: dict[str, mx.array] = {}
+    for layer in range(layers):
+        for kind in ("keys", "values"):
+            data = rng.standard_normal((1, 2, tokens, 8), dtype=np.float32)
+            tensors[f"{layer}.{kind}"] = mx.array(data).astype(dtype)
+    key = hashlib.sha256(f"{fp}-{i}".encode()).hexdigest()
+    return CacheBlock(key, parent, fp, tokens, ["kv"] * layers, tensors)
+
+
+def same_tensors(a: dict[str, mx.array], b: dict[str, mx.array]) -> bool:
+    if sorted(a) != sorted(b):
+        return False
+    for name in a:
+        x, y = a[name], b[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if x.dtype == mx.bfloat16:
+            x, y = x.view(mx.uint16), y.view(mx.uint16)
+        if not np.array_equal(np.array(x), np.array(y)):
+            return False
+    return True
+
+
+def open_tier(path: Path, max_bytes: int = 1 << 30, **kw: object) -> SSDTier:
+    tier = SSDTier(path, max_bytes, **kw)  # type: ignore[arg-type]
+    assert tier.wait_ready(10)
+    return tier
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*/*.safetensors"))
+
+
+# --------------------------------------------------------------------------- block keys
+
+
+def test_block_keys_only_full_blocks_and_deterministic() -> None:
+    toks = list(range(100))
+    keys = block_keys(FP, toks, 16)
+    assert len(keys) == 6  # 96 tokens in full blocks, the 4-token tail is not cached
+    assert keys == block_keys(FP, toks, 16)
+    assert keys == block_keys(FP, np.array(toks, dtype=np.int64), 16)
+    assert keys == block_keys(FP, toks[:96], 16)
+    assert block_keys(FP, toks[:15], 16) == []
+    assert len(set(keys)) == 6
+
+
+def test_block_keys_chain_and_prefix_sharing() -> None:
+    a = list(range(1000, 1128))
+    b = a[:64] + [7] * 64  # shares the first 4 blocks of 16
+    ka, kb = block_keys(FP, a, 16), block_keys(FP, b, 16)
+    assert ka[:4] == kb[:4]
+    assert all(x != y for x, y in zip(ka[4:], kb[4:], strict=True))
+    # a change inside block 2 changes keys >= 2 (chaining), not keys < 2
+    c = list(a)
+    c[40] += 1
+    kc = block_keys(FP, c, 16)
+    assert kc[:2] == ka[:2]
+    assert all(x != y for x, y in zip(kc[2:], ka[2:], strict=True))
+    # same tokens at block 5 but different history -> different key
+    assert block_keys(FP, [1] * 32, 16)[1] != block_keys(FP, [2] * 16 + [1] * 16, 16)[1]
+
+
+def test_block_keys_fingerprint_and_extra_keys_change_all() -> None:
+    toks = list(range(64))
+    k1 = block_keys(FP, toks, 16)
+    k2 = block_keys(FP2, toks, 16)
+    k3 = block_keys(FP, toks, 16, extra_keys=b"image-digest")
+    assert not set(k1) & set(k2)
+    assert not set(k1) & set(k3)
+
+
+def test_block_keys_known_answer() -> None:
+    """Pins the on-disk key format: changing it silently would orphan every SSD cache."""
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    fp = "ab" * 32
+    parent = b"root"
+    expected = []
+    for i in range(2):
+        chunk = struct.pack("<4I", *toks[i * 4 : i * 4 + 4])
+        key = hashlib.sha256(fp.encode() + parent + chunk + b"x").hexdigest()
+        expected.append(key)
+        parent = key.encode()
+    assert block_keys(fp, toks, 4, extra_keys=b"x") == expected
+
+
+def test_block_keys_rejects_bad_tokens() -> None:
+    with pytest.raises(ValueError):
+        block_keys(FP, [1, -1, 3, 4], 2)
+    with pytest.raises(ValueError):
+        block_keys(FP, [1, 2**32], 2)
+    with pytest.raises(TypeError):
+        block_keys(FP, [1.5, 2.0], 2)
+    with pytest.raises(ValueError):
+        block_keys(FP, [1, 2], 0)
+
+
+def test_block_keys_fast_for_32k_tokens() -> None:
+    toks = [int(t) for t in np.random.default_rng(0).integers(0, 150_000, 32768)]
+    block_keys(FP, toks, 256)
+    start = time.perf_counter()
+    for _ in range(5):
+        keys = block_keys(FP, toks, 256)
+    per_call = (time.perf_counter() - start) / 5
+    assert len(keys) == 128
+    assert per_call < 0.05, per_call  # ~1 ms measured; generous for a loaded CI box
+
+
+def test_keys_stable_across_processes() -> None:
+    code = (
+        "from omlx.cache.block_hash import block_keys, model_fingerprint as f;"
+        "fp=f('m','d','bfloat16','kv',4);print(fp, block_keys(fp, list(range(9)), 4)[-1])"
+    )
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        outs.add(out.stdout)
+    assert len(outs) == 1
+
+
+def test_model_fingerprint_fields() -> None:
+    base = ("m", "d", "bfloat16", "kv", 256)
+    fp = model_fingerprint(*base)
+    assert fp == model_fingerprint(*base)
+    assert len(fp) == 64 and int(fp, 16) >= 0
+    variants = [
+        ("m2", "d", "bfloat16", "kv", 256),
+        ("m", "d2", "bfloat16", "kv", 256),
+        ("m", "d", "float16", "kv", 256),
+        ("m", "d", "bfloat16", "kv-q8-g64", 256),
+        ("m", "d", "bfloat16", "kv", 128),
+    ]
+    assert len({fp, *(model_fingerprint(*v) for v in variants)}) == 6
+
+
+def test_weights_digest_change_sensitive(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(os.urandom(3 << 20))
+    (tmp_path / "README.md").write_text("ignored")
+    d0 = weights_digest(tmp_path)
+    assert d0 == weights_digest(tmp_path)
+    (tmp_path / "README.md").write_text("still ignored")
+    assert weights_digest(tmp_path) == d0
+
+    (tmp_path / "config.json").write_text('{"a": 2}')
+    d1 = weights_digest(tmp_path)
+    assert d1 != d0
+
+    # same size, same mtime, last bytes changed -> detected by the edge hash
+    st = w.stat()
+    with open(w, "r+b") as f:
+        f.seek(st.st_size - 10)
+        f.write(b"0123456789")
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    d2 = weights_digest(tmp_path)
+    assert d2 != d1
+
+    # a touched mtime counts as a change (cheap and conservative)
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert weights_digest(tmp_path) != d2
+
+    (tmp_path / "model-2.safetensors").write_bytes(b"x" * 10)
+    assert weights_digest(tmp_path) not in (d0, d1, d2)
+
+
+# --------------------------------------------------------------------------- checksums
+
+
+def test_checksum_bf16_and_sensitivity() -> None:
+    b = make_block(1)
+    c = checksum(b.tensors)
+    assert c == checksum(dict(b.tensors))
+    assert c == checksum(dict(reversed(list(b.tensors.items()))))  # order independent
+
+    flipped = dict(b.tensors)
+    raw = np.array(flipped["0.keys"].view(mx.uint16))
+    raw.flat[5] ^= 1  # one bit of one bf16 value
+    flipped["0.keys"] = mx.array(raw).view(mx.bfloat16)
+    assert checksum(flipped) != c
+
+    renamed = dict(b.tensors)
+    renamed["9.keys"] = renamed.pop("0.keys")
+    assert checksum(renamed) != c
+
+    same_bits_other_dtype = dict(b.tensors)
+    same_bits_other_dtype["0.keys"] = b.tensors["0.keys"].view(mx.float16)
+    assert checksum(same_bits_other_dtype) != c
+
+    reshaped = dict(b.tensors)
+    reshaped["0.keys"] = b.tensors["0.keys"].reshape(1, 2, 8, 16)
+    assert checksum(reshaped) != c
+
+
+def test_checksum_slices_scalars_and_dtypes() -> None:
+    full = mx.random.normal((1, 2, 64, 8)).astype(mx.bfloat16)
+    view = full[:, :, 16:32, :]  # non-contiguous, as the engine will slice
+    assert checksum({"x": view}) == checksum({"x": mx.array(np.array(view.view(mx.uint16))).view(mx.bfloat16)})
+    tensors = {
+        "s": mx.array(3.5, dtype=mx.bfloat16),
+        "b": mx.array([True, False]),
+        "i": mx.arange(10, dtype=mx.int32),
+        "f": mx.ones((3, 3), dtype=mx.float16),
+        "q": mx.array([1, 2], dtype=mx.uint32),
+    }
+    assert checksum(tensors) == checksum(tensors)
+
+
+# --------------------------------------------------------------------------- hot tier
+
+
+def test_hot_tier_lru_and_budget() -> None:
+    blocks = [make_block(i) for i in range(5)]
+    size = blocks[0].nbytes
+    hot = HotTier(3 * size)
+    for b in blocks[:3]:
+        assert hot.put(b)
+    assert hot.get(blocks[0].key) is blocks[0]  # 0 becomes most recent
+    assert hot.put(blocks[3])  # evicts 1, the least recently used
+    assert not hot.contains(blocks[1].key)
+    assert all(hot.contains(b.key) for b in (blocks[0], blocks[2], blocks[3]))
+    assert hot.get(blocks[1].key) is None
+    s = hot.stats()
+    assert s == {
+        "blocks": 3,
+        "bytes": 3 * size,
+        "max_bytes": 3 * size,
+        "hits": 1,
+        "misses": 1,
+        "evictions": 1,
+    }
+    assert hot.put(blocks[3])  # re-put: refresh, no double counting
+    assert hot.stats()["bytes"] == 3 * size
+
+
+def test_hot_tier_oversize_disabled_fingerprint_clear() -> None:
+    big = make_block(0, tokens=64)
+    hot = HotTier(big.nbytes - 1)
+    assert not hot.put(big)
+    assert hot.stats()["blocks"] == 0
+
+    off = HotTier(0)
+    assert not off.put(make_block(1))
+    assert off.get(make_block(1).key) is None
+
+    hot = HotTier(1 << 20)
+    for i in range(3):
+        hot.put(make_block(i, FP))
+        hot.put(make_block(i, FP2))
+    assert hot.discard_fingerprint(FP) == 3
+    assert hot.stats()["blocks"] == 3
+    assert all(hot.contains(make_block(i, FP2).key) for i in range(3))
+    hot.set_max_bytes(make_block(0).nbytes)
+    assert hot.stats()["blocks"] == 1
+    hot.clear()
+    assert hot.stats()["blocks"] == 0 and hot.stats()["bytes"] == 0
+
+
+def test_hot_tier_threads() -> None:
+    blocks = [make_block(i) for i in range(40)]
+    hot = HotTier(10 * blocks[0].nbytes)
+
+    def worker(offset: int) -> None:
+        for n in range(400):
+            b = blocks[(n * 7 + offset) % len(blocks)]
+            hot.put(b)
+            hot.get(blocks[(n + offset) % len(blocks)].key)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = hot.stats()
+    assert s["blocks"] <= 10 and s["bytes"] == s["blocks"] * blocks[0].nbytes
+
+
+# --------------------------------------------------------------------------- SSD tier
+
+
+def test_ssd_round_trip_bf16_float32(tmp_path: Path) -> None:
+    with open_tier(tmp_path) as tier:
+        b16 = make_block(1, dtype=mx.bfloat16, parent="p" * 64)
+        b32 = make_block(2, dtype=mx.float32)
+        b32.tensors["3.state.0"] = mx.arange(12, dtype=mx.int32).reshape(3, 4)
+        b32.layer_types = ["kv", "kv", "kv", "mamba"]
+        assert tier.put(b16) and tier.put(b32)
+        assert not tier.put(b16)  # already queued or stored
+        assert tier.flush(10)
+        path = tier.path_for(b16.key)
+        assert path == tmp_path / b16.key[:2] / f"{b16.key}.safetensors"
+        meta = read_header(path)
+        assert meta["format_version"] == "1"
+        assert meta["key"] == b16.key and meta["fingerprint"] == FP
+        assert meta["parent"] == "p" * 64 and meta["token_count"] == "16"
+        assert json.loads(meta["layer_types"]) == ["kv", "kv"]
+        assert meta["checksum"] == checksum(b16.tensors)
+
+        for orig in (b16, b32):
+            assert tier.contains(orig.key, FP)
+            got = tier.get(orig.key, FP)
+            assert got is not None
+            assert same_tensors(got.tensors, orig.tensors)
+            assert (got.key, got.parent, got.fingerprint, got.token_count, got.layer_types) == (
+                orig.key,
+                orig.parent,
+                orig.fingerprint,
+                orig.token_count,
+                orig.layer_types,
+            )
+        assert tier.get(make_block(99).key, FP) is None
+        s = tier.stats()
+        assert (s["writes"], s["hits"], s["misses"], s["blocks"]) == (2, 2, 1, 2)
+        assert s["bytes"] == sum(p.stat().st_size for p in block_files(tmp_path))
+        assert not list(tmp_path.glob("*/*.tmp-*"))
+
+
+def test_ssd_get_many_parallel(tmp_path: Path) -> None:
+    blocks = [make_block(i, tokens=64) for i in range(12)]
+    with open_tier(tmp_path, read_workers=4) as tier:
+        for b in blocks:
+            tier.put(b)
+        assert tier.flush(10)
+        keys = [b.key for b in blocks] + [make_block(100).key]
+        got = tier.get_many(keys, FP)
+        assert got[-1] is None
+        for b, g in zip(blocks, got[:-1], strict=True):
+            assert g is not None and g.key == b.key and same_tensors(g.tensors, b.tensors)
+
+
+def test_ssd_index_rebuilt_after_reopen(tmp_path: Path) -> None:
+    blocks = [make_block(i) for i in range(6)]
+    with open_tier(tmp_path) as tier:
+        for b in blocks:
+            tier.put(b)
+        assert tier.flush(10)
+        before = tier.stats()
+    tier = open_tier(tmp_path)
+    try:
+        s = tier.stats()
+        assert (s["blocks"], s["bytes"], s["discarded"]) == (6, before["bytes"], 0)
+        assert all(tier.contains(b.key, FP) for b in blocks)
+        assert not tier.contains(blocks[0].key, FP2)
+        got = tier.get(blocks[3].key, FP)
+        assert got is not None and same_tensors(got.tensors, blocks[3].tensors)
+    finally:
+        tier.close()
+
+
+def test_ssd_eviction_lru(tmp_path: Path) -> None:
+    blocks = [make_block(i) for i in range(5)]
+    with open_tier(tmp_path) as probe:
+        probe.put(blocks[0])
+        probe.flush(10)
+        file_size = probe.stats()["bytes"]
+        probe.clear()
+    with open_tier(tmp_path, 3 * file_size + file_size // 2) as tier:
+        for b in blocks[:3]:
+            tier.put(b)
+        assert tier.flush(10)
+        assert tier.get(blocks[0].key, FP) is not None  # touch: 1 is now the LRU
+        tier.put(blocks[3])
+        assert tier.flush(10)
+        assert not tier.contains(blocks[1].key, FP)
+        assert not tier.path_for(blocks[1].key).exists()
+        for b in (blocks[0], blocks[2], blocks[3]):
+            assert tier.contains(b.key, FP)
+        tier.put(blocks[4])
+        assert tier.flush(10)
+        assert not tier.contains(blocks[2].key, FP)
+        s = tier.stats()
+        assert s["evictions"] == 2 and s["blocks"] == 3 and s["bytes"] <= s["max_bytes"]
+    # LRU order survives a restart through mtimes: make blocks[3] the oldest
+    now = time.time()
+    for age, b in ((300, blocks[3]), (200, blocks[0]), (100, blocks[4])):
+        os.utime(tier.path_for(b.key), (now - age, now - age))
+    with open_tier(tmp_path, 2 * file_size + file_size // 2) as smaller:
+        # the budget shrank: the oldest file goes at start-up
+        assert not smaller.path_for(blocks[3].key).exists()
+        assert smaller.contains(blocks[0].key, FP) and smaller.contains(blocks[4].key, FP)
+
+
+def test_ssd_block_larger_than_budget_not_written(tmp_path: Path) -> None:
+    with open_tier(tmp_path, 100) as tier:
+        assert not tier.put(make_block(0))
+        assert tier.flush(5)
+        assert tier.stats()["dropped_writes"] == 1 and not block_files(tmp_path)
+
+
+def _write_blocks(root: Path, blocks: list[CacheBlock]) -> None:
+    with open_tier(root) as tier:
+        for b in blocks:
+            tier.put(b)
+        assert tier.flush(10)
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n + 37)  # inside the tensor data, header untouched
+        byte = f.read(1)
+        f.seek(8 + n + 37)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_ssd_corrupt_data_is_discarded_never_served(tmp_path: Path) -> None:
+    b = make_block(0)
+    _write_blocks(tmp_path, [b])
+    with open_tier(tmp_path) as tier:
+        path = tier.path_for(b.key)
+        _flip_tensor_byte(path)
+        assert tier.contains(b.key, FP)  # the header is fine; only the data is bad
+        assert tier.get(b.key, FP) is None
+        assert not path.exists()
+        s = tier.stats()
+        assert s["discarded"] == 1 and s["blocks"] == 0 and s["bytes"] == 0
+        assert tier.get(b.key, FP) is None  # and it stays a plain miss
+        assert tier.stats()["discarded"] == 1
+
+
+def test_ssd_truncated_file_discarded_at_get_and_at_start(tmp_path: Path) -> None:
+    a, b = make_block(0), make_block(1)
+    _write_blocks(tmp_path, [a, b])
+    with open_tier(tmp_path) as tier:
+        pa = tier.path_for(a.key)
+        os.truncate(pa, pa.stat().st_size - 100)
+        assert tier.get(a.key, FP) is None
+        assert not pa.exists() and tier.stats()["discarded"] == 1
+        pb = tier.path_for(b.key)
+    os.truncate(pb, 6)  # not even a whole length prefix
+    junk = tmp_path / "ab" / ("ab" + "0" * 62 + ".safetensors")
+    junk.parent.mkdir(exist_ok=True)
+    junk.write_bytes(b"\xff" * 64)  # absurd header length
+    with open_tier(tmp_path) as tier:
+        s = tier.stats()
+        assert s["discarded"] == 2 and s["blocks"] == 0
+        assert not pb.exists() and not junk.exists()
+
+
+def test_ssd_wrong_fingerprint_discarded(tmp_path: Path) -> None:
+    b = make_block(0)
+    _write_blocks(tmp_path, [b])
+    with open_tier(tmp_path) as tier:
+        assert not tier.contains(b.key, FP2)
+        assert tier.get(b.key, FP2) is None
+        assert not tier.path_for(b.key).exists()
+        assert tier.stats()["discarded"] == 1
+        assert tier.get(b.key, FP) is None
+
+
+def test_ssd_file_under_wrong_name_discarded(tmp_path: Path) -> None:
+    a, b = make_block(0), make_block(1)
+    _write_blocks(tmp_path, [a])
+    src = SSDTier(tmp_path, 0).path_for(a.key)
+    dst = tmp_path / b.key[:2] / f"{b.key}.safetensors"
+    dst.parent.mkdir(exist_ok=True)
+    os.replace(src, dst)  # a valid file, but for another key
+    with open_tier(tmp_path) as tier:
+        assert tier.get(b.key, FP) is None
+        assert tier.stats()["discarded"] == 1 and not dst.exists()
+
+
+def test_ssd_stale_tmp_removed_on_start(tmp_path: Path) -> None:
+    b = make_block(0)
+    _write_blocks(tmp_path, [b])
+    sub = tmp_path / b.key[:2]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale_own = sub / f"{b.key}.safetensors.tmp-{os.getpid()}-7"
+    stale_dead = sub / f"{'1' * 64}.safetensors.tmp-{dead.pid}-0"
+    stale_weird = sub / f"{'2' * 64}.safetensors.tmp-garbage"
+    for p in (stale_own, stale_dead, stale_weird):
+        p.write_bytes(b"partial")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        live_tmp = sub / f"{'3' * 64}.safetensors.tmp-{live.pid}-0"
+        live_tmp.write_bytes(b"being written by another live server")
+        with open_tier(tmp_path) as tier:
+            assert tier.stats()["stale_tmp_removed"] == 3
+            assert not any(p.exists() for p in (stale_own, stale_dead, stale_weird))
+            assert live_tmp.exists()  # another live process may still rename it
+            assert tier.stats()["blocks"] == 1 and tier.get(b.key, FP) is not None
+    finally:
+        live.kill()
+        live.wait()
+
+
+def _dev_full_writer(path: Path, tensors: object, metadata: object) -> None:
+    """A real ENOSPC from the kernel: /dev/full refuses every write."""
+    with open("/dev/full", "wb") as f:
+        mx.save_safetensors(f, dict(tensors), metadata)  # type: ignore[call-overload]
+        f.flush()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_ssd_disk_full_disables_writes_reads_continue(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = make_block(0)
+    _write_blocks(tmp_path, [good])
+    with open_tier(tmp_path) as tier:
+        tier._write_file = _dev_full_writer  # type: ignore[method-assign]
+        for i in range(1, 6):
+            tier.put(make_block(i))
+        assert tier.flush(10)
+        s = tier.stats()
+        assert s["writes_disabled"] and tier.writes_disabled
+        assert s["write_errors"] == 1  # the first failure disables; the rest are dropped
+        assert s["write_errors"] + s["dropped_writes"] == 5
+        assert not tier.put(make_block(7))
+        assert tier.stats()["dropped_writes"] == s["dropped_writes"] + 1
+        assert not list(tmp_path.glob("*/*.tmp-*"))  # the failed temp file is gone
+        got = tier.get(good.key, FP)  # serving continues
+        assert got is not None and same_tensors(got.tensors, good.tensors)
+    warnings = [r for r in caplog.records if "disabled" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_ssd_non_io_write_error_counted_not_disabling(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    with open_tier(tmp_path) as tier:
+        real = tier._write_file
+
+        def flaky(path: Path, tensors: object, metadata: object) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ValueError("unsupported tensor")
+            real(path, tensors, metadata)  # type: ignore[arg-type]
+
+        tier._write_file = flaky  # type: ignore[method-assign]
+        tier.put(make_block(0))
+        tier.put(make_block(1))
+        assert tier.flush(10)
+        s = tier.stats()
+        assert s["write_errors"] == 1 and s["writes"] == 1 and not s["writes_disabled"]
+
+
+def test_ssd_queue_full_drops_never_blocks(tmp_path: Path) -> None:
+    gate = threading.Event()
+    with open_tier(tmp_path, write_queue_max=2) as tier:
+        real = tier._write_file
+
+        def slow(path: Path, tensors: object, metadata: object) -> None:
+            gate.wait(10)
+            real(path, tensors, metadata)  # type: ignore[arg-type]
+
+        tier._write_file = slow  # type: ignore[method-assign]
+        start = time.perf_counter()
+        results = [tier.put(make_block(i)) for i in range(8)]
+        assert time.perf_counter() - start < 2
+        assert results[:2] == [True, True] and not all(results)
+        s = tier.stats()
+        assert s["dropped_writes"] == results.count(False)
+        gate.set()
+        assert tier.flush(10)
+        assert tier.stats()["writes"] == results.count(True)
+        assert tier.stats()["queue_depth"] == 0
+
+
+def test_ssd_disabled_and_clear(tmp_path: Path) -> None:
+    off = SSDTier(tmp_path / "off", 0)
+    assert not off.put(make_block(0))
+    assert off.get(make_block(0).key, FP) is None and not off.contains(make_block(0).key, FP)
+    assert off.flush(1)
+    assert not (tmp_path / "off").exists()
+    off.close()
+
+    with open_tier(tmp_path / "on") as tier:
+        for i in range(3):
+            tier.put(make_block(i))
+        assert tier.flush(10)
+        tier.clear()
+        assert tier.stats()["blocks"] == 0 and not block_files(tmp_path / "on")
+        assert tier.get(make_block(0).key, FP) is None
+        assert tier.put(make_block(0)) and tier.flush(10)  # usable after clear
+        assert tier.get(make_block(0).key, FP) is not None
+
+
+def test_ssd_lookups_before_index_ready(tmp_path: Path) -> None:
+    b = make_block(0)
+    _write_blocks(tmp_path, [b])
+    tier = SSDTier(tmp_path, 1 << 30)  # no wait_ready: lookups fall back to the files
+    try:
+        assert tier.contains(b.key, FP)
+        got = tier.get(b.key, FP)
+        assert got is not None and same_tensors(got.tensors, b.tensors)
+        assert tier.wait_ready(10)
+        assert tier.stats()["blocks"] == 1
+    finally:
+        tier.close()
+
+
+def test_ssd_rebuild_many_files_reads_headers_only(tmp_path: Path) -> None:
+    """2,000 files index in well under a second (10k measured at ~0.4 s on 2 cores)."""
+    b = make_block(0)
+    _write_blocks(tmp_path, [b])
+    src = SSDTier(tmp_path, 0).path_for(b.key).read_bytes()
+    n_hdr = struct.unpack("<Q", src[:8])[0]
+    header = json.loads(src[8 : 8 + n_hdr])
+    for i in range(2000):
+        key = hashlib.sha256(f"many-{i}".encode()).hexdigest()
+        header["__metadata__"]["key"] = key
+        raw = json.dumps(header).encode()
+        p = tmp_path / key[:2] / f"{key}.safetensors"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(struct.pack("<Q", len(raw)) + raw + src[8 + n_hdr :])
+    start = time.perf_counter()
+    with open_tier(tmp_path) as tier:
+        elapsed = time.perf_counter() - start
+        assert tier.stats()["blocks"] == 2001
+    assert elapsed < 5, elapsed
+
+
+def test_ssd_sigkill_during_writes_leaves_only_whole_blocks(tmp_path: Path) -> None:
+    sys.path.insert(0, str(HERE))
+    try:
+        from cache_writer_helper import make_block as helper_block
+    finally:
+        sys.path.remove(str(HERE))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "cache_writer_helper.py"), str(tmp_path), FP],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 60
+        # wait for some finished blocks, then kill while a temp file is being written
+        while time.monotonic() < deadline:
+            if len(block_files(tmp_path)) >= 4 and list(tmp_path.glob("*/*.tmp-*")):
+                break
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    survivors = block_files(tmp_path)
+    assert len(survivors) >= 4
+    with open_tier(tmp_path) as tier:
+        assert not list(tmp_path.glob("*/*.tmp-*"))
+        s = tier.stats()
+        assert s["discarded"] == 0 and s["blocks"] == len(survivors)
+        for p in survivors:
+            key = p.name.removesuffix(".safetensors")
+            got = tier.get(key, FP)
+            assert got is not None, key
+            expected = helper_block(got.token_count, FP)
+            assert expected.key == key
+            assert same_tensors(got.tensors, expected.tensors)
+        assert tier.stats()["discarded"] == 0
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "total", "expected"),
+    [
+        ("0", None, 0),
+        ("800000", None, 800_000),
+        ("2GB", None, 2_000_000_000),
+        ("2gb", None, 2_000_000_000),
+        ("2 GB", None, 2_000_000_000),
+        ("512MiB", None, 512 * 2**20),
+        ("1.5G", None, 1_500_000_000),
+        ("1.5GiB", None, 3 * 2**29),
+        ("10K", None, 10_000),
+        ("4Ki", None, 4096),
+        ("100B", None, 100),
+        (" 1TB ", None, 10**12),
+        ("20%", 1000, 200),
+        ("0%", 1000, 0),
+        ("100%", 1234, 1234),
+        ("12.5%", 8 * 2**30, 2**30),
+        ("0.5", None, 0),
+    ],
+)
+def test_parse_size_ok(text: str, total: int | None, expected: int) -> None:
+    assert parse_size(text, total=total) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "total", "match"),
+    [
+        ("", None, "invalid size"),
+        ("abc", None, "invalid size"),
+        ("-1GB", None, "invalid size"),
+        ("2XB", None, "unknown unit"),
+        ("1e9", None, "invalid size"),
+        ("20%", None, "needs a total"),
+        ("150%", 100, "above 100"),
+        ("1.2.3G", None, "invalid size"),
+        ("G", None, "invalid size"),
+    ],
+)
+def test_parse_size_errors(text: str, total: int | None, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_size(text, total=total)
