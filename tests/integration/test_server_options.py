@@ -1,0 +1,68 @@
+"""Server-wide options through a real subprocess: API key, backpressure."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.support.server import ServerProcess
+
+
+def test_api_key_is_enforced_on_v1_but_not_health(tiny_model_dir, tmp_path):
+    server = ServerProcess(tmp_path / "home", ["--model-dir", str(tiny_model_dir), "--api-key", "s3cret"])
+    server.start()
+    try:
+        assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+        r = httpx.get(server.base_url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.get(server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        good = openai.OpenAI(base_url=server.base_url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["tiny-llama"]
+        bad = openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}])
+        assert "s3cret" not in server.log()
+    finally:
+        server.stop()
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
+    server = ServerProcess(
+        tmp_path / "home",
+        ["--model-dir", str(tiny_model_dir), "--model", "tiny-llama",
+         "--max-concurrent-requests", "1", "--max-waiting-requests", "0"],
+    )
+    server.start()
+    try:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "go"}],
+                "max_tokens": 1500, "temperature": 0, "stream": True, "logit_bias": {"2": -100}}
+        started = threading.Event()
+
+        def long_stream():
+            with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+                for _ in r.iter_lines():
+                    started.set()
+
+        t = threading.Thread(target=long_stream, daemon=True)
+        t.start()
+        assert started.wait(30)
+        r = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert r.status_code == 429
+        assert int(r.headers["retry-after"]) >= 1
+        assert "busy" in r.json()["error"]["message"]
+        t.join(60)
+        # once the slot is free again, requests succeed
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            r = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+            if r.status_code == 200:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        server.stop()
