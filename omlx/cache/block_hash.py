@@ -139,3 +139,22 @@ def block_keys(
         keys.append(key)
         parent = key.encode("ascii")
     return keys
+
+
+def chain_key(
+    fingerprint: str,
+    parent: str | None,
+    token_ids: Sequence[int] | np.ndarray,
+    extra_keys: bytes = b"",
+) -> str:
+    """The key of one block of any length after `parent`, by the same formula as `block_keys`.
+
+    Used for partial (tail) blocks: a full block's key equals `block_keys`' key for it, and
+    a shorter token run can never collide with a full block (the hashed lengths differ).
+    """
+    h = hashlib.sha256(fingerprint.encode("ascii"))
+    h.update(parent.encode("ascii") if parent else _ROOT)
+    h.update(_pack_tokens(token_ids))
+    if extra_keys:
+        h.update(extra_keys)
+    return h.hexdigest()

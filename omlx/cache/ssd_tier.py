@@ -194,9 +194,7 @@ class SSDTier:
         self._thread: threading.Thread | None = None
         if self._max_bytes > 0:
             self._dir.mkdir(parents=True, exist_ok=True)
-            self._thread = threading.Thread(
-                target=self._run, name="omlx-ssd-writer", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="omlx-ssd-writer", daemon=True)
             self._thread.start()
         else:
             self._ready.set()
@@ -367,7 +365,9 @@ class SSDTier:
         if self._inflight == 0:
             self._idle.notify_all()
 
-    def _write_file(self, path: Path, tensors: Mapping[str, mx.array], metadata: dict[str, str]) -> None:
+    def _write_file(
+        self, path: Path, tensors: Mapping[str, mx.array], metadata: dict[str, str]
+    ) -> None:
         """Write and fsync one temp file. Tests replace this on the instance to fake I/O errors."""
         with open(path, "wb") as f:
             with mx.stream(mx.cpu):
@@ -464,12 +464,12 @@ class SSDTier:
     def _run(self) -> None:
         try:
             self._scan()
+            with self._io_lock:
+                self._evict()  # the budget may have shrunk since the last run
         except Exception:  # noqa: BLE001 - a failed scan leaves an empty index, not a crash
             log.exception("SSD cache: index rebuild of %s failed", self._dir)
         finally:
             self._ready.set()
-        with self._io_lock:
-            self._evict()  # the budget may have shrunk since the last run
         while True:
             block = self._queue.get()
             if block is None:

@@ -44,6 +44,10 @@ class PrefixCacheHooks:
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
         return None
 
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Measured recompute speed, for restore-or-recompute decisions."""
+        return None
+
 
 @dataclass
 class _Handle:
@@ -302,10 +306,12 @@ class LLMEngine:
         for pr in prompt_responses:
             if pr.end_of_prompt and pr.uid in self._running:
                 state = self._running[pr.uid]
+                self.prefix_cache.observe_prefill(
+                    state.prompt_len - state.cached_tokens, time.perf_counter() - state.start
+                )
                 cache_and_tokens = self._bg.extract_cache([pr.uid]).get(pr.uid)
                 if cache_and_tokens is not None:
                     self.prefix_cache.store(list(cache_and_tokens[1]), cache_and_tokens[0], final=False)
-                del state  # stored; generation continues
         touched: list[_Running] = []
         for r in generation_responses:
             state = self._running.get(r.uid)

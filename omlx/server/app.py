@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from omlx import __version__
+from omlx.cache.prefix_cache import make_prefix_cache
+from omlx.cache.setup import build_cache_store
 from omlx.pool.engine_pool import EnginePool
 from omlx.server.auth import require_api_key
 from omlx.server.errors import install_error_handlers
@@ -19,8 +21,10 @@ from omlx.settings import Settings
 log = logging.getLogger("omlx.server")
 
 
-def create_app(settings: Settings, pool: EnginePool | None = None) -> FastAPI:
-    pool = pool or EnginePool(settings)
+def create_app(settings: Settings) -> FastAPI:
+    store = build_cache_store(settings)
+    factory = None if store is None else (lambda loaded: make_prefix_cache(store, loaded))
+    pool = EnginePool(settings, prefix_cache_factory=factory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -29,10 +33,13 @@ def create_app(settings: Settings, pool: EnginePool | None = None) -> FastAPI:
             await pool.acquire(settings.model)
         yield
         pool.shutdown()
+        if store is not None:
+            store.close()
 
     app = FastAPI(title="oMLX", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.pool = pool
+    app.state.cache = store
     app.state.started = time.time()
     install_error_handlers(app)
 
@@ -56,6 +63,18 @@ def create_app(settings: Settings, pool: EnginePool | None = None) -> FastAPI:
             "waiting_requests": sum(m["waiting_requests"] for m in models),
             "models": models,
         }
+
+    @app.get("/api/cache/stats", dependencies=[Depends(require_api_key)])
+    async def cache_stats(request: Request) -> dict[str, Any]:
+        c = request.app.state.cache
+        return {"enabled": False} if c is None else {"enabled": True, **c.stats()}
+
+    @app.post("/api/cache/clear", dependencies=[Depends(require_api_key)])
+    async def cache_clear(request: Request) -> dict[str, Any]:
+        c = request.app.state.cache
+        if c is not None:
+            c.clear()
+        return {"cleared": c is not None}
 
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     return app

@@ -76,5 +76,10 @@ def run_server(settings: Settings) -> None:
         log.warning("No API key is set and the server binds %s: anyone who can reach it can use it.", settings.host)
     elif not settings.api_key:
         log.info("No API key set: binding loopback only (%s).", settings.host)
-    app = create_app(settings)
+    from omlx.errors import ConfigError
+
+    try:
+        app = create_app(settings)
+    except ConfigError as exc:
+        _fail(str(exc))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

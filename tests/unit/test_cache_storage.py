@@ -240,7 +240,9 @@ def test_checksum_bf16_and_sensitivity() -> None:
 def test_checksum_slices_scalars_and_dtypes() -> None:
     full = mx.random.normal((1, 2, 64, 8)).astype(mx.bfloat16)
     view = full[:, :, 16:32, :]  # non-contiguous, as the engine will slice
-    assert checksum({"x": view}) == checksum({"x": mx.array(np.array(view.view(mx.uint16))).view(mx.bfloat16)})
+    assert checksum({"x": view}) == checksum(
+        {"x": mx.array(np.array(view.view(mx.uint16))).view(mx.bfloat16)}
+    )
     tensors = {
         "s": mx.array(3.5, dtype=mx.bfloat16),
         "b": mx.array([True, False]),
@@ -358,6 +360,18 @@ def test_ssd_round_trip_bf16_float32(tmp_path: Path) -> None:
         assert (s["writes"], s["hits"], s["misses"], s["blocks"]) == (2, 2, 1, 2)
         assert s["bytes"] == sum(p.stat().st_size for p in block_files(tmp_path))
         assert not list(tmp_path.glob("*/*.tmp-*"))
+
+
+def test_ssd_round_trip_non_contiguous_slices(tmp_path: Path) -> None:
+    """The engine hands in slices of live caches ([:, :, i*B:(i+1)*B, :]): views, not copies."""
+    full = mx.random.normal((1, 2, 64, 8)).astype(mx.bfloat16)
+    state = mx.random.normal((1, 3, 4))
+    tensors = {"0.keys": full[:, :, 16:32, :], "0.values": full[:, :, 32:48, :], "1.state.0": state}
+    b = CacheBlock("9" * 64, None, FP, 16, ["kv", "mamba"], tensors)
+    with open_tier(tmp_path) as tier:
+        assert tier.put(b) and tier.flush(10)
+        got = tier.get(b.key, FP)
+        assert got is not None and same_tensors(got.tensors, tensors)
 
 
 def test_ssd_get_many_parallel(tmp_path: Path) -> None:
@@ -538,7 +552,9 @@ def _dev_full_writer(path: Path, tensors: object, metadata: object) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_ssd_disk_full_disables_writes_reads_continue(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_ssd_disk_full_disables_writes_reads_continue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     good = make_block(0)
     _write_blocks(tmp_path, [good])
     with open_tier(tmp_path) as tier:

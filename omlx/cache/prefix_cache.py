@@ -1,0 +1,274 @@
+"""The prefix cache as the engine sees it: find, restore and store KV blocks of one model.
+
+Bookkeeping (keys, tiers, restore decisions) lives here; the engine thread calls
+`lookup()` before inserting a request into the batch and `store()` when a
+sequence's prompt is prefilled and when it finishes. All MLX work here runs on
+that engine thread; the SSD writer only writes bytes of evaluated arrays.
+
+Beyond full blocks, each stored sequence also leaves its unfinished tail as a
+"partial" block keyed by (parent block, its exact tokens). The next turn of a
+conversation extends the previous prompt + answer, so it finds that tail too and
+only its new tokens are prefilled — as with token-granular in-RAM caches, but
+restartable from the SSD.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from omlx.cache.block import CacheBlock
+from omlx.cache.block_hash import block_keys, chain_key, model_fingerprint, weights_digest
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.ssd_tier import SSDTier
+from omlx.engine.llm_engine import PrefixCacheHooks
+
+log = logging.getLogger("omlx.cache")
+
+
+@dataclass
+class CacheCounters:
+    """Process-wide request-level counters (the tiers count their own blocks)."""
+
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    skipped_restores: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "requests": self.requests,
+                "hits": self.hits,
+                "misses": self.misses,
+                "prompt_tokens": self.prompt_tokens,
+                "hit_tokens": self.hit_tokens,
+                "hit_rate": (self.hit_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0,
+                "skipped_restores": self.skipped_restores,
+            }
+
+
+class CacheStore:
+    """The tiers shared by every loaded model; block keys include the model fingerprint."""
+
+    def __init__(self, hot: HotTier, ssd: SSDTier | None, block_size: int):
+        self.hot = hot
+        self.ssd = ssd if ssd is not None and ssd.enabled else None
+        self.block_size = block_size
+        self.counters = CacheCounters()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            **self.counters.snapshot(),
+            "hot": self.hot.stats(),
+            "ssd": self.ssd.stats() if self.ssd else {"enabled": False},
+        }
+
+    def clear(self) -> None:
+        self.hot.clear()
+        if self.ssd:
+            self.ssd.clear()
+
+    def close(self) -> None:
+        if self.ssd:
+            self.ssd.close()
+
+
+class Throughput:
+    """An exponential moving average of a rate (tokens/s or bytes/s)."""
+
+    def __init__(self, alpha: float = 0.3):
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if seconds <= 0 or amount <= 0:
+            return
+        rate = amount / seconds
+        self.value = rate if self.value is None else (1 - self.alpha) * self.value + self.alpha * rate
+
+
+def sliceable(model: Any) -> tuple[bool, str]:
+    """Only plain KVCache layers can be cut into token ranges and concatenated back."""
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+    if kinds == {"KVCache"}:
+        return True, ""
+    return False, f"its cache layers are {', '.join(sorted(kinds))} (only KVCache can be split into blocks)"
+
+
+class PrefixCache(PrefixCacheHooks):
+    def __init__(self, store: CacheStore, fingerprint: str, num_layers: int, model_id: str):
+        self.tiers = store
+        self.fp = fingerprint
+        self.B = store.block_size
+        self.num_layers = num_layers
+        self.model_id = model_id
+        self.prefill_rate = Throughput()  # tokens/s of recompute on this device
+        self.ssd_rate = Throughput()  # bytes/s of SSD restores
+        self.bytes_per_token = 0
+
+    # ----- lookup / restore ----------------------------------------------------------
+    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        limit = len(tokens) - 1  # at least one token must be computed to get logits
+        keys = block_keys(self.fp, tokens, self.B)
+        hot, ssd = self.tiers.hot, self.tiers.ssd
+        blocks: list[CacheBlock] = []
+        for i, key in enumerate(keys):
+            if (i + 1) * self.B > limit:
+                break
+            block = hot.get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        if ssd is not None:
+            start = len(blocks)
+            wanted = []
+            for i in range(start, len(keys)):
+                if (i + 1) * self.B > limit or not ssd.contains(keys[i], self.fp):
+                    break
+                wanted.append(keys[i])
+            if wanted and self._restore_pays(len(wanted) * self.B):
+                tic = time.perf_counter()
+                loaded = ssd.get_many(wanted, self.fp)
+                got = []
+                for block in loaded:
+                    if block is None:
+                        break
+                    got.append(block)
+                if got:
+                    mx.eval([t for b in got for t in b.tensors.values()])
+                    self.ssd_rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
+                    for block in got:
+                        hot.put(block)
+                    blocks += got
+            elif wanted:
+                with self.tiers.counters.lock:
+                    self.tiers.counters.skipped_restores += 1
+        n = len(blocks) * self.B
+        parts = [(b, self.B) for b in blocks]
+        tail = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:])
+        if tail is not None and limit - n > 0:
+            # an exact repeat finds the whole prompt's tail: use all but the last token
+            use = min(tail.token_count, limit - n)
+            parts.append((tail, use))
+            n += use
+        if not parts:
+            return None, 0
+        return self._to_cache(parts), n
+
+    def _restore_pays(self, n_tokens: int) -> bool:
+        """Restore from SSD only when it beats recomputing those tokens on this device."""
+        if self.prefill_rate.value is None or self.ssd_rate.value is None or not self.bytes_per_token:
+            return True  # no measurement yet: restoring is how we get one
+        restore_s = n_tokens * self.bytes_per_token / self.ssd_rate.value
+        recompute_s = n_tokens / self.prefill_rate.value
+        return restore_s < recompute_s
+
+    def _find_tail(self, parent: str | None, rest: list[int]) -> CacheBlock | None:
+        """The longest stored partial block that continues `parent` with a prefix of `rest`."""
+        hot, ssd = self.tiers.hot, self.tiers.ssd
+        for length in range(min(self.B - 1, len(rest)), 0, -1):
+            key = chain_key(self.fp, parent, rest[:length])
+            if hot.contains(key):
+                block = hot.get(key)
+                if block is not None:
+                    return block
+            if ssd is not None and ssd.contains(key, self.fp):
+                block = ssd.get(key, self.fp)
+                if block is not None:
+                    hot.put(block)
+                    return block
+        return None
+
+    def _to_cache(self, parts: list[tuple[CacheBlock, int]]) -> list[Any]:
+        """Concatenate per layer; `(block, n)` uses the block's first n tokens."""
+        caches = []
+        for layer in range(self.num_layers):
+            keys, values = [], []
+            for block, n in parts:
+                k, v = block.tensors[f"{layer}.keys"], block.tensors[f"{layer}.values"]
+                if n < block.token_count:
+                    k, v = k[:, :, :n, :], v[:, :, :n, :]
+                keys.append(k)
+                values.append(v)
+            c = KVCache()
+            k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
+            v = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
+            c.state = (k, v, k.shape[2])
+            caches.append(c)
+        return caches
+
+    # ----- store ---------------------------------------------------------------------
+    def store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
+        """Store every full block not cached yet, and the unfinished tail as a partial block."""
+        n_tokens = min(len(tokens), cache[0].offset if cache else 0)
+        tokens = tokens[:n_tokens]
+        keys = block_keys(self.fp, tokens, self.B)
+        hot, ssd = self.tiers.hot, self.tiers.ssd
+        new: list[tuple[str, str | None, int, int]] = []
+        for i, key in enumerate(keys):
+            if not hot.contains(key) and not (ssd is not None and ssd.contains(key, self.fp)):
+                new.append((key, keys[i - 1] if i else None, i * self.B, (i + 1) * self.B))
+        start = len(keys) * self.B
+        if start < n_tokens:
+            parent = keys[-1] if keys else None
+            key = chain_key(self.fp, parent, tokens[start:])
+            if not hot.contains(key) and not (ssd is not None and ssd.contains(key, self.fp)):
+                new.append((key, parent, start, n_tokens))
+        if not new:
+            return
+        blocks = [self._make_block(cache, *spec) for spec in new]
+        mx.eval([t for b in blocks for t in b.tensors.values()])
+        for block in blocks:
+            hot.put(block)
+            if ssd is not None:
+                ssd.put(block)
+        if not self.bytes_per_token and blocks:
+            self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
+
+    def _make_block(self, cache: list[Any], key: str, parent: str | None, a: int, b: int) -> CacheBlock:
+        tensors = {}
+        for layer, c in enumerate(cache):
+            tensors[f"{layer}.keys"] = mx.contiguous(c.keys[:, :, a:b, :])
+            tensors[f"{layer}.values"] = mx.contiguous(c.values[:, :, a:b, :])
+        return CacheBlock(
+            key=key, parent=parent, fingerprint=self.fp, token_count=b - a,
+            layer_types=["kv"] * len(cache), tensors=tensors,
+        )
+
+    # ----- bookkeeping ---------------------------------------------------------------
+    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
+        c = self.tiers.counters
+        with c.lock:
+            c.requests += 1
+            c.prompt_tokens += prompt_tokens
+            c.hit_tokens += cached_tokens
+            if cached_tokens:
+                c.hits += 1
+            else:
+                c.misses += 1
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_rate.observe(tokens, seconds)
+
+
+def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:
+    """The factory the engine pool calls on the engine thread after a model loads."""
+    ok, reason = sliceable(loaded.model)
+    if not ok:
+        log.warning("model %s is served without the prefix cache: %s", loaded.info.id, reason)
+        return PrefixCacheHooks()
+    fp = model_fingerprint(
+        loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, "kv", store.block_size
+    )
+    return PrefixCache(store, fp, len(make_prompt_cache(loaded.model)), loaded.info.id)

@@ -1,0 +1,48 @@
+"""Build the process-wide cache tiers from settings (sizes may be shares of RAM or disk)."""
+
+from __future__ import annotations
+
+import shutil
+
+import psutil
+
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.prefix_cache import CacheStore
+from omlx.cache.sizes import parse_size
+from omlx.cache.ssd_tier import SSDTier
+from omlx.errors import ConfigError
+from omlx.settings import Settings
+
+
+def hot_tier_total_bytes() -> int:
+    """What a `%` hot budget is a share of: device memory on a discrete GPU, else RAM."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.gpu:
+        info = mx.device_info()
+        if not info.get("unified_memory", False) and info.get("memory_size"):
+            return int(info["memory_size"])
+    return psutil.virtual_memory().total
+
+
+def build_cache_store(settings: Settings) -> CacheStore | None:
+    """None when the cache is off (`--no-cache`)."""
+    if settings.no_cache:
+        return None
+    try:
+        hot_bytes = parse_size(settings.hot_cache_max_size, total=hot_tier_total_bytes())
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for hot_cache_max_size: {exc}") from None
+    ssd = None
+    if not settings.hot_cache_only:
+        cache_dir = settings.cache_dir
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"Cache dir {cache_dir} is not usable ({exc.strerror}). Pass --cache-dir.") from None
+        try:
+            ssd_bytes = parse_size(settings.ssd_cache_max_size, total=shutil.disk_usage(cache_dir).total)
+        except ValueError as exc:
+            raise ConfigError(f"Invalid value for ssd_cache_max_size: {exc}") from None
+        ssd = SSDTier(cache_dir, ssd_bytes)
+    return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size)

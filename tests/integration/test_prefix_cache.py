@@ -1,0 +1,269 @@
+"""The tiered prefix cache through a real server: hits equal misses, restarts, integrity."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_llama
+
+MODEL = "tiny-llama"
+BLOCK = 64
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i}: answer plainly." for i in range(40))
+
+
+def start(home: Path, model_dir: Path, *extra: str) -> ServerProcess:
+    server = ServerProcess(
+        home, ["--model-dir", str(model_dir), "--model", MODEL, "--cache-block-size", str(BLOCK), *extra]
+    )
+    server.start()
+    return server
+
+
+def ask(server: ServerProcess, user: str, system: str = SYSTEM, max_tokens: int = 24, model: str = MODEL) -> dict:
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        json={
+            "model": model,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return {
+        "text": body["choices"][0]["message"]["content"],
+        "prompt": body["usage"]["prompt_tokens"],
+        "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+def stats(server: ServerProcess) -> dict:
+    return httpx.get(server.base_url + "/api/cache/stats").json()
+
+
+def test_hit_equals_miss_and_restart_hit_equals_miss(tiny_model_dir, tmp_path):
+    home = tmp_path / "home"
+    server = start(home, tiny_model_dir)
+    try:
+        miss = ask(server, "What is the capital of France?")
+        assert miss["cached"] == 0 and miss["prompt"] > 4 * BLOCK
+        hit = ask(server, "What is the capital of France?")
+        assert hit["text"] == miss["text"]
+        assert hit["cached"] == miss["prompt"] - 1  # full blocks + the stored tail; one token recomputed
+        s = stats(server)
+        assert s["hits"] >= 1 and s["hot"]["blocks"] > 0
+    finally:
+        server.stop()
+    server = start(home, tiny_model_dir)
+    try:
+        again = ask(server, "What is the capital of France?")
+        assert again["text"] == miss["text"]
+        assert again["cached"] == miss["prompt"] - 1
+        assert stats(server)["ssd"]["hits"] > 0
+    finally:
+        server.stop()
+    nocache = start(tmp_path / "home2", tiny_model_dir, "--no-cache")
+    try:
+        ref = ask(nocache, "What is the capital of France?")
+        assert ref["text"] == miss["text"] and ref["cached"] == 0
+        assert httpx.get(nocache.base_url + "/api/cache/stats").json() == {"enabled": False}
+    finally:
+        nocache.stop()
+
+
+def test_conversations_sharing_a_system_prompt_share_its_blocks(tiny_model_dir, tmp_path):
+    server = start(tmp_path / "home", tiny_model_dir, "--hot-cache-only")
+    try:
+        a = ask(server, "first question about foxes")
+        b = ask(server, "a different question about dogs")
+        # everything up to the first differing token, rounded down to whole blocks
+        assert b["cached"] >= BLOCK * 4
+        assert b["cached"] % BLOCK == 0
+        s = stats(server)
+        assert s["ssd"] == {"enabled": False}
+        assert a["cached"] == 0
+    finally:
+        server.stop()
+
+
+def test_multi_turn_conversation_reuses_the_previous_turn_including_its_tail(tiny_model_dir, tmp_path):
+    server = start(tmp_path / "home", tiny_model_dir)
+    try:
+        messages = [{"role": "system", "content": SYSTEM}]
+        cached = []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn}: tell me more about fox number {turn}"})
+            r = httpx.post(
+                server.base_url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0,
+                      "logit_bias": {"2": -100}},
+                timeout=60,
+            ).json()
+            answer = r["choices"][0]["message"]["content"]
+            cached.append((r["usage"]["prompt_tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            messages.append({"role": "assistant", "content": answer})
+        # each later turn restores more than whole blocks: the previous turn's tail is reused too
+        for prompt, hit in cached[1:]:
+            assert hit > 0
+        assert any(hit % BLOCK for _, hit in cached[1:])
+    finally:
+        server.stop()
+
+
+def test_eviction_under_tiny_budgets(tiny_model_dir, tmp_path):
+    # one 64-token block of this model is 4 layers x 2 x (1, 2, 64, 64) float32 = 256 KiB
+    server = start(tmp_path / "home", tiny_model_dir, "--hot-cache-max-size", "600KiB", "--ssd-cache-max-size", "1MiB")
+    try:
+        first = ask(server, "question one")
+        for i in range(4):
+            ask(server, f"question {i}", system=f"system prompt variant {i} " * 60)
+        s = stats(server)
+        assert s["hot"]["evictions"] > 0 and s["hot"]["bytes"] <= 600 * 1024
+        assert s["ssd"]["evictions"] > 0 and s["ssd"]["bytes"] <= 1024 * 1024
+        again = ask(server, "question one")
+        assert again["text"] == first["text"]
+    finally:
+        server.stop()
+
+
+def _chain(home: Path) -> list[Path]:
+    """Block files of the first stored prompt in chain order (root first), by their headers."""
+    from omlx.cache.ssd_tier import read_header
+
+    by_parent = {}
+    for f in (home / "cache").rglob("*.safetensors"):
+        meta = read_header(f)
+        if int(meta["token_count"]) == BLOCK:
+            by_parent[meta.get("parent") or None] = (meta["key"], f)
+    chain, parent = [], None
+    while parent in by_parent:
+        key, f = by_parent[parent]
+        chain.append(f)
+        parent = key
+    return chain
+
+
+def test_corrupt_and_truncated_block_files_are_discarded_never_served(tiny_model_dir, tmp_path):
+    home = tmp_path / "home"
+    server = start(home, tiny_model_dir)
+    try:
+        miss = ask(server, "integrity check please")
+    finally:
+        server.stop()
+    chain = _chain(home)
+    assert len(chain) >= 6
+    # flip bytes in the tensor data of the 3rd block, truncate the 5th
+    data = bytearray(chain[2].read_bytes())
+    for i in range(len(data) - 64, len(data) - 32):
+        data[i] ^= 0xFF
+    whole_size = chain[4].stat().st_size
+    chain[2].write_bytes(bytes(data))
+    chain[4].write_bytes(chain[4].read_bytes()[: len(data) // 3])
+    server = start(home, tiny_model_dir)
+    try:
+        again = ask(server, "integrity check please")
+        assert again["text"] == miss["text"]
+        assert again["cached"] == 2 * BLOCK  # only the blocks before the first damaged one
+        s = stats(server)
+        assert s["ssd"]["discarded"] == 2  # the truncated one at start, the corrupt one on read
+    finally:
+        server.stop()
+    # both were recomputed and stored again, whole and correct
+    assert chain[2].read_bytes() != bytes(data)
+    assert chain[4].stat().st_size == whole_size
+
+
+def test_sigkill_during_heavy_writing_then_restart_serves_only_whole_blocks(tiny_model_dir, tmp_path):
+    home = tmp_path / "home"
+    server = start(home, tiny_model_dir)
+    prompts = [f"unique system prompt {i} " * 50 for i in range(8)]
+    try:
+        threads = [threading.Thread(target=lambda p=p: _quiet_ask(server, p)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        server.kill()  # the writer thread is still busy with these blocks
+    finally:
+        server.stop()
+    server = start(home, tiny_model_dir)
+    try:
+        results = [ask(server, "same question", system=p) for p in prompts[:3]]
+        s = stats(server)
+        assert s["ssd"]["index_ready"] in (True, 1)
+    finally:
+        server.stop()
+    ref_server = start(tmp_path / "ref", tiny_model_dir, "--no-cache")
+    try:
+        for p, got in zip(prompts[:3], results, strict=True):
+            assert ask(ref_server, "same question", system=p)["text"] == got["text"]
+    finally:
+        ref_server.stop()
+    assert not list((home / "cache").rglob("*.tmp-*"))
+
+
+def _quiet_ask(server: ServerProcess, system: str) -> None:
+    try:
+        ask(server, "same question", system=system, max_tokens=4)
+    except (AssertionError, httpx.HTTPError):
+        pass
+
+
+def test_full_disk_disables_ssd_writes_and_serving_continues(tiny_model_dir, tmp_path):
+    cache_dir = tmp_path / "small-disk"
+    cache_dir.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(cache_dir)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        server = start(tmp_path / "home", tiny_model_dir, "--cache-dir", str(cache_dir), "--ssd-cache-max-size", "100MB")
+        try:
+            first = ask(server, "fill the disk")
+            for i in range(3):
+                ask(server, f"more {i}", system=f"another long system prompt {i} " * 50)
+            s = stats(server)
+            assert s["ssd"]["writes_disabled"] is True
+            assert "disabl" in server.log().lower()
+            assert ask(server, "fill the disk")["text"] == first["text"]
+        finally:
+            server.stop()
+    finally:
+        subprocess.run(["umount", str(cache_dir)], capture_output=True)
+
+
+def test_unsliceable_cache_model_is_served_uncached_with_reason_logged(tmp_path):
+    model_dir = tmp_path / "models"
+    build_tiny_llama(
+        model_dir / MODEL,
+        extra_config={"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 32},
+    )
+    server = start(tmp_path / "home", model_dir)
+    try:
+        a = ask(server, "hello sliding window")
+        b = ask(server, "hello sliding window")
+        assert a["text"] == b["text"] and b["cached"] == 0
+        assert "without the prefix cache" in server.log()
+        assert "RotatingKVCache" in server.log()
+    finally:
+        server.stop()
+
+
+def test_cache_clear_endpoint(tiny_model_dir, tmp_path):
+    server = start(tmp_path / "home", tiny_model_dir)
+    try:
+        ask(server, "to be cleared")
+        r = httpx.post(server.base_url + "/api/cache/clear")
+        assert r.json() == {"cleared": True}
+        s = stats(server)
+        assert s["hot"]["blocks"] == 0
+        assert ask(server, "to be cleared")["cached"] == 0
+    finally:
+        server.stop()
