@@ -80,6 +80,19 @@ SETTINGS: tuple[Setting, ...] = (
         "Dtype models compute in. auto: float32 on a CPU (fastest there), the model's own dtype on a GPU.",
         choices=("auto", "float32", "bfloat16", "float16", "native"),
     ),
+    Setting(
+        "max_model_memory",
+        str,
+        "80%",
+        "Memory all loaded models may use together (bytes like 16GB or a share of RAM / GPU memory like 80%); least recently used idle models are unloaded to make room. 0 = no limit.",
+    ),
+    Setting(
+        "idle_timeout",
+        int,
+        0,
+        "Unload a model after this many idle seconds (0 = never); a model's own ttl overrides it.",
+        minimum=0,
+    ),
     Setting("cache_dir", Path, None, "SSD tier of the prefix cache.", default_doc="$OMLX_HOME/cache"),
     Setting(
         "cache_block_size", int, 256, "Tokens per prefix-cache block.", minimum=16

@@ -101,6 +101,9 @@ class LLMEngine:
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
+        self.memory_bytes = 0  # measured on the engine thread after loading
+        self.leases = 0  # held by routes between acquire and release (event loop only)
+        self.kind = "llm"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Handle] = deque()
         self._running: dict[int, _Running] = {}
@@ -172,9 +175,16 @@ class LLMEngine:
             prefill_step_size=self.prefill_step_size,
         )
 
+    @property
+    def busy(self) -> bool:
+        """Requests submitted or leased and not finished: such an engine is never evicted."""
+        return self._outstanding > 0 or self.leases > 0
+
     def _load(self) -> bool:
         try:
+            before = mx.get_active_memory()
             loaded = self._loader()
+            self.memory_bytes = max(0, mx.get_active_memory() - before)
             self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
             self.context_length = loaded.context_length
             self.eos_ids = sorted(set(loaded.tokenizer.eos_token_ids or []))

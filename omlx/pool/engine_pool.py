@@ -1,114 +1,307 @@
-"""The engine pool: discovers models and loads each one exactly once, on first use.
+"""The engine pool: discovery, load on first use, LRU eviction under a memory limit, pin, TTL.
 
-Concurrent first requests for one model share a single load; a failed load is
-reported to every waiter and retried by the next request.
+Every engine kind (chat LLM, embedding, reranker) lives here behind the same small
+interface: `wait_ready()`, `shutdown()`, `busy`, `memory_bytes`, `leases`. Routes
+take a lease (`async with pool.lease(name)`) for as long as they use an engine, so
+a model serving requests is never evicted or expired.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from omlx.engine.llm_engine import LLMEngine, PrefixCacheHooks
-from omlx.errors import InvalidRequestError, ModelNotFoundError
+from omlx.cache.sizes import format_size
+from omlx.errors import InsufficientMemoryError, InvalidRequestError, ModelNotFoundError
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
-from omlx.models.loader import LoadedLLM, load_llm
+from omlx.pool.memory import estimate_model_bytes
+from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx.pool")
 
 
-class EnginePool:
-    def __init__(
-        self,
-        settings: Settings,
-        prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
-    ):
-        self.settings = settings
-        self.prefix_cache_factory = prefix_cache_factory
-        self.discovery: Discovery = Discovery({}, [])
-        self.engines: dict[str, LLMEngine] = {}
-        self.last_used: dict[str, float] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
-        self.refresh()
+class Engine(Protocol):
+    model_id: str
+    kind: str
+    memory_bytes: int
+    leases: int
 
     @property
-    def model_dir(self) -> Path:
-        return self.settings.model_dir
+    def busy(self) -> bool: ...
 
+    async def wait_ready(self) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+EngineFactory = Callable[[ModelInfo, ModelSettings], Engine]
+
+
+@dataclass
+class Resolved:
+    """A request's model name resolved to a model, its settings and an optional profile."""
+
+    info: ModelInfo
+    settings: ModelSettings
+    profile: str | None
+
+    @property
+    def defaults(self) -> GenerationDefaults:
+        return self.settings.effective(self.profile)
+
+    @property
+    def type(self) -> str:
+        return self.settings.type or self.info.type
+
+
+@dataclass
+class Entry:
+    engine: Engine
+    estimate: int
+    loaded_at: float
+    last_used: float
+
+    @property
+    def memory(self) -> int:
+        return self.engine.memory_bytes or self.estimate
+
+
+class EnginePool:
+    def __init__(self, settings: Settings, factories: dict[str, EngineFactory], max_memory: int = 0):
+        self.settings = settings
+        self.factories = factories
+        self.max_memory = max_memory  # 0 = no limit
+        self.model_settings = ModelSettingsStore(settings.home / "model_settings.json")
+        self.discovery: Discovery = Discovery({}, [])
+        self.entries: dict[str, Entry] = {}
+        self.loading: set[str] = set()
+        self._model_locks: dict[str, asyncio.Lock] = {}
+        self._load_lock = asyncio.Lock()  # one load at a time: memory is measured per load
+        self._reaper: asyncio.Task | None = None
+        self.refresh()
+
+    # ----- discovery and names -----------------------------------------------------
     def refresh(self) -> Discovery:
-        self.discovery = discover_models(self.model_dir)
+        self.discovery = discover_models(self.settings.model_dir)
         return self.discovery
 
     def models(self) -> dict[str, ModelInfo]:
         return self.discovery.models
 
-    def resolve(self, model: str) -> ModelInfo:
-        info = self.discovery.models.get(model)
-        if info is None:
-            self.refresh()
-            info = self.discovery.models.get(model)
-        if info is None:
-            raise ModelNotFoundError(model, sorted(self.discovery.models))
-        return info
+    def resolve(self, name: str) -> Resolved:
+        """`id`, `alias`, `id:profile` or `alias:profile` → the model and its settings."""
+        for attempt in range(2):
+            found = self._resolve_once(name)
+            if found is not None:
+                return found
+            if attempt == 0:
+                self.refresh()
+        raise ModelNotFoundError(name, sorted(self.discovery.models))
 
-    async def acquire(self, model: str) -> LLMEngine:
-        """The loaded engine for `model`, loading it on first use."""
-        info = self.resolve(model)
-        if info.type != "llm":
-            raise InvalidRequestError(
-                f"Model '{model}' is a {info.type} model; it cannot generate text.", param="model"
+    def _resolve_once(self, name: str) -> Resolved | None:
+        models = self.discovery.models
+        candidates = [(name, None)]
+        if ":" in name:
+            base, profile = name.rsplit(":", 1)
+            candidates.append((base, profile))
+        for model_name, profile in candidates:
+            model_id = model_name if model_name in models else self.model_settings.resolve_alias(
+                model_name, set(models)
             )
-        engine = self.engines.get(info.id)
-        if engine is None:
-            lock = self._locks.setdefault(info.id, asyncio.Lock())
-            async with lock:
-                engine = self.engines.get(info.id)
-                if engine is None:
-                    engine = self._start_engine(info)
-                    try:
-                        await engine.wait_ready()
-                    except BaseException:
-                        engine.shutdown()
-                        raise
-                    self.engines[info.id] = engine
-        await engine.wait_ready()
-        self.last_used[info.id] = time.time()
-        return engine
+            if model_id is None:
+                continue
+            ms = self.model_settings.get(model_id)
+            if profile is not None and profile not in ms.profiles:
+                continue
+            return Resolved(models[model_id], ms, profile)
+        return None
 
-    def _start_engine(self, info: ModelInfo) -> LLMEngine:
-        s = self.settings
-        log.info("loading model %s from %s", info.id, info.path)
-        return LLMEngine(
-            info.id,
-            lambda: load_llm(info, s.compute_dtype),
-            max_concurrent=s.max_concurrent_requests,
-            max_waiting=s.max_waiting_requests,
-            prefill_step_size=s.prefill_step_size,
-            prefix_cache_factory=self.prefix_cache_factory,
+    # ----- leasing engines ---------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, kind: str | None = None) -> AsyncIterator[tuple[Any, Resolved]]:
+        """The loaded engine for `name` (loading it if needed), held for the block's duration."""
+        engine, resolved = await self.acquire(name, kind)
+        try:
+            yield engine, resolved
+        finally:
+            self.release(engine)
+
+    async def acquire(self, name: str, kind: str | None = None) -> tuple[Any, Resolved]:
+        """Like `lease`, for callers that release later (streams): pair with `release()`."""
+        resolved = self.resolve(name)
+        if kind is not None and resolved.type != kind:
+            raise InvalidRequestError(
+                f"Model '{name}' is a {resolved.type} model, not a {kind} model.", param="model"
+            )
+        entry = await self._ensure_loaded(resolved)
+        entry.engine.leases += 1
+        entry.last_used = time.time()
+        return entry.engine, resolved
+
+    def release(self, engine: Any) -> None:
+        engine.leases = max(0, engine.leases - 1)
+        entry = self.entries.get(engine.model_id)
+        if entry is not None:
+            entry.last_used = time.time()
+
+    async def _ensure_loaded(self, resolved: Resolved) -> Entry:
+        model_id = resolved.info.id
+        entry = self.entries.get(model_id)
+        if entry is not None:
+            return entry
+        lock = self._model_locks.setdefault(model_id, asyncio.Lock())
+        async with lock:  # concurrent first requests share one load
+            entry = self.entries.get(model_id)
+            if entry is not None:
+                return entry
+            async with self._load_lock:
+                return await self._load(resolved)
+
+    async def _load(self, resolved: Resolved) -> Entry:
+        info = resolved.info
+        factory = self.factories.get(resolved.type)
+        if factory is None:
+            raise InvalidRequestError(
+                f"Model '{info.id}' is a {resolved.type} model, which this server cannot serve yet.",
+                param="model",
+            )
+        estimate = estimate_model_bytes(info, self._compute_dtype(resolved.type))
+        self._make_room(info.id, estimate)
+        log.info("loading %s (%s, estimated %s)", info.id, resolved.type, format_size(estimate))
+        self.loading.add(info.id)
+        tic = time.perf_counter()
+        engine = factory(info, resolved.settings)
+        try:
+            await engine.wait_ready()
+        except BaseException:
+            engine.shutdown()
+            raise
+        finally:
+            self.loading.discard(info.id)
+        now = time.time()
+        entry = Entry(engine, estimate, now, now)
+        self.entries[info.id] = entry
+        log.info(
+            "loaded %s in %.2fs: %s measured (estimate %s)",
+            info.id, time.perf_counter() - tic, format_size(engine.memory_bytes), format_size(estimate),
         )
+        return entry
+
+    def _compute_dtype(self, kind: str) -> str:
+        from omlx.models.loader import resolve_compute_dtype
+
+        return resolve_compute_dtype(self.settings.compute_dtype) if kind == "llm" else "native"
+
+    def _make_room(self, model_id: str, need: int) -> None:
+        """Unload least-recently-used idle, unpinned models until `need` more bytes fit."""
+        if not self.max_memory:
+            return
+        used = sum(e.memory for e in self.entries.values())
+        if used + need <= self.max_memory:
+            return
+        victims = sorted(
+            (
+                (mid, e)
+                for mid, e in self.entries.items()
+                if not e.engine.busy and not self.model_settings.get(mid).pinned
+            ),
+            key=lambda item: item[1].last_used,
+        )
+        for mid, entry in victims:
+            if used + need <= self.max_memory:
+                break
+            log.info("evicting %s (least recently used) to make room for %s", mid, model_id)
+            self.unload(mid)
+            used -= entry.memory
+        if used + need > self.max_memory:
+            raise InsufficientMemoryError(
+                f"Cannot load '{model_id}': it needs about {format_size(need)}, {format_size(used)} is "
+                f"held by loaded models that are pinned or serving requests, and the limit "
+                f"(--max-model-memory) is {format_size(self.max_memory)}. Unload or unpin a model, "
+                "or raise the limit.",
+                code="insufficient_memory",
+            )
+
+    # ----- explicit control --------------------------------------------------------
+    async def load(self, name: str) -> Entry:
+        resolved = self.resolve(name)
+        return await self._ensure_loaded(resolved)
+
+    def unload(self, model_id: str) -> bool:
+        entry = self.entries.pop(model_id, None)
+        if entry is None:
+            return False
+        entry.engine.shutdown()
+        import gc
+
+        gc.collect()
+        log.info("unloaded %s", model_id)
+        return True
+
+    def state_of(self, model_id: str) -> str:
+        if model_id in self.loading:
+            return "loading"
+        entry = self.entries.get(model_id)
+        if entry is None:
+            return "unloaded"
+        return "serving" if entry.engine.busy else "loaded"
+
+    def ttl_of(self, model_id: str) -> int:
+        ms = self.model_settings.get(model_id)
+        return ms.ttl if ms.ttl is not None else self.settings.idle_timeout
 
     def status(self) -> list[dict[str, Any]]:
         out = []
         for model_id, info in sorted(self.discovery.models.items()):
-            engine = self.engines.get(model_id)
+            entry = self.entries.get(model_id)
+            ms = self.model_settings.get(model_id)
+            engine: Any = entry.engine if entry else None
             out.append(
                 {
                     "id": model_id,
-                    "type": info.type,
-                    "state": "loaded" if engine else "unloaded",
-                    "active_requests": engine.active_count if engine else 0,
-                    "waiting_requests": engine.waiting_count if engine else 0,
-                    "last_used": self.last_used.get(model_id),
+                    "type": ms.type or info.type,
+                    "state": self.state_of(model_id),
+                    "memory_bytes": entry.memory if entry else 0,
+                    "estimated_bytes": entry.estimate if entry else None,
+                    "last_used": entry.last_used if entry else None,
+                    "pinned": ms.pinned,
+                    "ttl": self.ttl_of(model_id),
+                    "active_requests": getattr(engine, "active_count", 0) if engine else 0,
+                    "waiting_requests": getattr(engine, "waiting_count", 0) if engine else 0,
                 }
             )
         return out
 
+    # ----- idle expiry -------------------------------------------------------------
+    def start_reaper(self, interval: float = 1.0) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(interval))
+
+    async def _reap_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self.reap_idle()
+
+    def reap_idle(self) -> list[str]:
+        now = time.time()
+        expired = []
+        for model_id, entry in list(self.entries.items()):
+            ttl = self.ttl_of(model_id)
+            if ttl and not entry.engine.busy and not self.model_settings.get(model_id).pinned:
+                if now - entry.last_used >= ttl:
+                    expired.append(model_id)
+        for model_id in expired:
+            log.info("unloading %s after %ss idle", model_id, self.ttl_of(model_id))
+            self.unload(model_id)
+        return expired
+
     def shutdown(self) -> None:
-        for engine in self.engines.values():
-            engine.shutdown()
-        self.engines.clear()
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for model_id in list(self.entries):
+            self.unload(model_id)

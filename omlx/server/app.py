@@ -1,4 +1,4 @@
-"""FastAPI app factory: wires settings, the engine pool, routes and error handlers."""
+"""FastAPI app factory: wires settings, the cache, the engine pool, routes and error handlers."""
 
 from __future__ import annotations
 
@@ -10,9 +10,17 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from omlx import __version__
-from omlx.cache.prefix_cache import make_prefix_cache
+from omlx.cache.prefix_cache import CacheStore, make_prefix_cache
 from omlx.cache.setup import build_cache_store
-from omlx.pool.engine_pool import EnginePool
+from omlx.cache.sizes import parse_size
+from omlx.engine.llm_engine import LLMEngine
+from omlx.errors import ConfigError
+from omlx.models.discovery import ModelInfo
+from omlx.models.loader import load_llm
+from omlx.pool.engine_pool import EngineFactory, EnginePool
+from omlx.pool.memory import memory_limit_total
+from omlx.pool.model_settings import ModelSettings
+from omlx.server.admin_routes import router as admin_router
 from omlx.server.auth import require_api_key
 from omlx.server.errors import install_error_handlers
 from omlx.server.openai_routes import router as openai_router
@@ -21,16 +29,39 @@ from omlx.settings import Settings
 log = logging.getLogger("omlx.server")
 
 
+def llm_factory(settings: Settings, store: CacheStore | None) -> EngineFactory:
+    def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
+        return LLMEngine(
+            info.id,
+            lambda: load_llm(info, settings.compute_dtype),
+            max_concurrent=settings.max_concurrent_requests,
+            max_waiting=settings.max_waiting_requests,
+            prefill_step_size=settings.prefill_step_size,
+            prefix_cache_factory=None if store is None else (lambda loaded: make_prefix_cache(store, loaded)),
+        )
+
+    return make
+
+
+def engine_factories(settings: Settings, store: CacheStore | None) -> dict[str, EngineFactory]:
+    """One factory per model type; the pool routes each model to its engine kind."""
+    return {"llm": llm_factory(settings, store)}
+
+
 def create_app(settings: Settings) -> FastAPI:
     store = build_cache_store(settings)
-    factory = None if store is None else (lambda loaded: make_prefix_cache(store, loaded))
-    pool = EnginePool(settings, prefix_cache_factory=factory)
+    try:
+        max_memory = parse_size(settings.max_model_memory, total=memory_limit_total())
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for max_model_memory: {exc}") from None
+    pool = EnginePool(settings, engine_factories(settings, store), max_memory=max_memory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        pool.start_reaper()
         if settings.model:
             log.info("preloading model %s", settings.model)
-            await pool.acquire(settings.model)
+            await pool.load(settings.model)
         yield
         pool.shutdown()
         if store is not None:
@@ -54,8 +85,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/api/status", dependencies=[Depends(require_api_key)])
     async def status(request: Request) -> dict[str, Any]:
-        p: EnginePool = request.app.state.pool
-        models = p.status()
+        models = request.app.state.pool.status()
         return {
             "version": __version__,
             "uptime_s": time.time() - request.app.state.started,
@@ -64,17 +94,6 @@ def create_app(settings: Settings) -> FastAPI:
             "models": models,
         }
 
-    @app.get("/api/cache/stats", dependencies=[Depends(require_api_key)])
-    async def cache_stats(request: Request) -> dict[str, Any]:
-        c = request.app.state.cache
-        return {"enabled": False} if c is None else {"enabled": True, **c.stats()}
-
-    @app.post("/api/cache/clear", dependencies=[Depends(require_api_key)])
-    async def cache_clear(request: Request) -> dict[str, Any]:
-        c = request.app.state.cache
-        if c is not None:
-            c.clear()
-        return {"cleared": c is not None}
-
+    app.include_router(admin_router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     return app

@@ -17,13 +17,19 @@ from omlx.errors import EngineError, InvalidRequestError
 
 
 def completion_budget(
-    engine: LLMEngine, prompt_len: int, requested: int | None, default: int, *, allow_zero: bool = False
+    engine: LLMEngine,
+    prompt_len: int,
+    requested: int | None,
+    default: int,
+    *,
+    window_cap: int | None = None,
+    allow_zero: bool = False,
 ) -> int:
     """Clamp the completion length to what is left of the context window.
 
     A prompt that does not fit is refused with both numbers; it is never truncated.
     """
-    window = engine.context_length
+    window = min(engine.context_length, window_cap or engine.context_length)
     if prompt_len >= window and not (allow_zero and requested == 0 and prompt_len <= window):
         raise InvalidRequestError(
             f"The prompt is {prompt_len} tokens, but model '{engine.model_id}' has a context "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,6 +15,8 @@ from omlx.api.openai_models import ChatCompletionRequest, CompletionRequest, Sam
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams, TokenLogprob, new_request_id
 from omlx.errors import InvalidRequestError
+from omlx.pool.engine_pool import Resolved
+from omlx.pool.model_settings import GenerationDefaults
 from omlx.server.generation import Collected, collect, completion_budget, merged, usage_dict
 from omlx.server.sse import KEEPALIVE, sse_data, with_keepalive
 
@@ -22,7 +24,8 @@ router = APIRouter()
 KEEPALIVE_SECONDS = 10.0
 
 
-def sampling_from(req: SamplingFields, vocab_size: int) -> SamplingParams:
+def sampling_from(req: SamplingFields, vocab_size: int, defaults: GenerationDefaults) -> SamplingParams:
+    """Request values override the model's (or profile's) defaults."""
     bias = None
     if req.logit_bias:
         bias = {}
@@ -34,14 +37,20 @@ def sampling_from(req: SamplingFields, vocab_size: int) -> SamplingParams:
                     param="logit_bias",
                 )
             bias[tok] = value
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(req, name)
+        if value is None:
+            value = getattr(defaults, name)
+        return fallback if value is None else value
+
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", 0),
+        min_p=pick("min_p", 0.0),
+        repetition_penalty=pick("repetition_penalty", None),
+        presence_penalty=pick("presence_penalty", None),
+        frequency_penalty=pick("frequency_penalty", None),
         seed=req.seed,
         logit_bias=bias,
     )
@@ -123,30 +132,60 @@ def _pool(request: Request) -> Any:
     return request.app.state.pool
 
 
-async def _engine(request: Request, model: str) -> LLMEngine:
-    return await _pool(request).acquire(model)
+async def with_llm(request: Request, model: str, handler: Callable[..., Awaitable[Any]]) -> Any:
+    """Lease the model's engine for the handler; a stream keeps the lease until it ends."""
+    pool = _pool(request)
+    engine, resolved = await pool.acquire(model, "llm")
+    try:
+        response = await handler(engine, resolved)
+    except BaseException:
+        pool.release(engine)
+        raise
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _released(response.body_iterator, pool, engine)
+    else:
+        pool.release(engine)
+    return response
+
+
+async def _released(stream: AsyncIterator[Any], pool: Any, engine: Any) -> AsyncIterator[Any]:
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        pool.release(engine)
+
+
+def default_max_tokens(request: Request, defaults: GenerationDefaults) -> int:
+    return defaults.max_tokens or request.app.state.settings.default_max_tokens
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    engine = await _engine(request, body.model)
+    return await with_llm(request, body.model, lambda e, r: _chat_completions(body, request, e, r))
+
+
+async def _chat_completions(body: ChatCompletionRequest, request: Request, engine: LLMEngine, resolved: Resolved):
     tokenizer = engine.tokenizer
+    defaults = resolved.defaults
     tools = [t.get("function", t) if t.get("type") == "function" else t for t in (body.tools or [])] or None
     messages = chat_messages(body)
+    template_kwargs = {**(defaults.chat_template_kwargs or {}), **(body.chat_template_kwargs or {})}
     prompt = await asyncio.to_thread(
-        render_chat, tokenizer, messages, tools=tools, template_kwargs=body.chat_template_kwargs
+        render_chat, tokenizer, messages, tools=tools, template_kwargs=template_kwargs
     )
-    settings = request.app.state.settings
     requested = body.max_completion_tokens or body.max_tokens
     if requested == 0:
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
-    budget = completion_budget(engine, len(prompt), requested, settings.default_max_tokens)
+    budget = completion_budget(
+        engine, len(prompt), requested, default_max_tokens(request, defaults), window_cap=defaults.context_length
+    )
     top = body.top_logprobs if body.top_logprobs is not None else 0
     base = GenerationRequest(
         request_id=new_request_id("chatcmpl"),
         prompt_tokens=prompt,
         max_tokens=budget,
-        sampling=sampling_from(body, engine.model_vocab_size),
+        sampling=sampling_from(body, engine.model_vocab_size, defaults),
         stop=body.stop_list(),
         logprobs=top if body.logprobs else None,
     )
@@ -261,7 +300,11 @@ def _completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    engine = await _engine(request, body.model)
+    return await with_llm(request, body.model, lambda e, r: _completions(body, request, e, r))
+
+
+async def _completions(body: CompletionRequest, request: Request, engine: LLMEngine, resolved: Resolved):
+    defaults = resolved.defaults
     tokenizer = engine.tokenizer
     prompts = await asyncio.to_thread(_completion_prompts, tokenizer, body.prompt)
     vocab = engine.model_vocab_size
@@ -270,15 +313,17 @@ async def completions(body: CompletionRequest, request: Request):
             raise InvalidRequestError("prompt must not be empty.", param="prompt")
         if any(not 0 <= t < vocab for t in p):
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
-    settings = request.app.state.settings
     if body.max_tokens == 0 and not body.echo:
         raise InvalidRequestError("max_tokens 0 is only meaningful with echo.", param="max_tokens")
     if body.stream and body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming.", param="echo")
-    sampling = sampling_from(body, vocab)
+    sampling = sampling_from(body, vocab, defaults)
     requests: list[GenerationRequest] = []
     for p in prompts:
-        budget = completion_budget(engine, len(p), body.max_tokens, settings.default_max_tokens, allow_zero=body.echo)
+        budget = completion_budget(
+            engine, len(p), body.max_tokens, default_max_tokens(request, defaults),
+            window_cap=defaults.context_length, allow_zero=body.echo,
+        )
         base = GenerationRequest(
             request_id=new_request_id("cmpl"),
             prompt_tokens=p,
@@ -377,17 +422,21 @@ async def _completion_stream(
 
 
 def model_card(info: Any, pool: Any) -> dict[str, Any]:
-    engine = pool.engines.get(info.id)
-    context = engine.context_length if engine else info.context_length
+    entry = pool.entries.get(info.id)
+    engine = entry.engine if entry else None
+    context = getattr(engine, "context_length", None) or info.context_length
+    cap = pool.model_settings.get(info.id).context_length
+    if cap and context:
+        context = min(context, cap)
     return {
         "id": info.id,
         "object": "model",
         "created": int(info.path.stat().st_mtime),
         "owned_by": "omlx",
-        "type": info.type,
+        "type": pool.model_settings.get(info.id).type or info.type,
         "context_length": context,
         "max_model_len": context,
-        "loaded": engine is not None,
+        "state": pool.state_of(info.id),
     }
 
 
@@ -398,7 +447,29 @@ async def list_models(request: Request):
     return {"object": "list", "data": [model_card(info, pool) for _, info in sorted(pool.models().items())]}
 
 
+@router.get("/v1/models/status")
+async def models_status(request: Request):
+    return {"object": "list", "data": _pool(request).status()}
+
+
+@router.post("/v1/models/{model_id:path}/load")
+async def load_model(model_id: str, request: Request):
+    pool = _pool(request)
+    await pool.load(model_id)
+    return {"id": pool.resolve(model_id).info.id, "state": pool.state_of(pool.resolve(model_id).info.id)}
+
+
+@router.post("/v1/models/{model_id:path}/unload")
+async def unload_model(model_id: str, request: Request):
+    pool = _pool(request)
+    info = pool.resolve(model_id).info
+    entry = pool.entries.get(info.id)
+    if entry is not None and entry.engine.busy:
+        raise InvalidRequestError(f"Model '{info.id}' is serving requests; try again when they finish.", param="model")
+    return {"id": info.id, "unloaded": pool.unload(info.id), "state": pool.state_of(info.id)}
+
+
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
     pool = _pool(request)
-    return model_card(pool.resolve(model_id), pool)
+    return model_card(pool.resolve(model_id).info, pool)

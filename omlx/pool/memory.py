@@ -1,0 +1,69 @@
+"""Model memory: estimated before loading (from safetensors headers), measured after.
+
+The estimate accounts for the compute dtype: a 4-bit model dequantized to float32 on
+a CPU takes ~8x its file size. Measurement uses MLX's active-memory counter, which
+works on CPU, CUDA and Metal alike.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import psutil
+
+from omlx.models.discovery import ModelInfo
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+TARGET_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _headers(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n))
+
+
+def estimate_model_bytes(info: ModelInfo, compute_dtype: str) -> int:
+    """Bytes the weights will take once loaded in `compute_dtype` ("native" keeps file dtypes)."""
+    quant = info.config.get("quantization") or info.config.get("quantization_config") or {}
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    target = TARGET_BYTES.get(compute_dtype)
+    total = 0
+    for file in sorted(info.path.glob("*.safetensors")):
+        try:
+            header = _headers(file)
+        except (OSError, ValueError, struct.error):
+            total += file.stat().st_size
+            continue
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            size = DTYPE_BYTES.get(meta["dtype"], 4)
+            if target is None:
+                total += numel * size
+            elif bits and name.endswith((".scales", ".biases")) and meta["dtype"] != "F32":
+                continue  # folded into the dequantized weight
+            elif bits and meta["dtype"] == "U32":
+                total += numel * (32 // bits) * target
+            elif meta["dtype"] in ("F32", "F16", "BF16"):
+                total += numel * target
+            else:
+                total += numel * size
+    return total
+
+
+def memory_limit_total() -> int:
+    """What a `%` memory limit is a share of: device memory on a discrete GPU, else RAM."""
+    from omlx.cache.setup import hot_tier_total_bytes
+
+    return hot_tier_total_bytes()
+
+
+def process_rss() -> int:
+    return psutil.Process().memory_info().rss

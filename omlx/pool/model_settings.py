@@ -1,0 +1,131 @@
+"""Per-model settings and named profiles, persisted in `$OMLX_HOME/model_settings.json`.
+
+Precedence for a request: request parameters > profile > model settings > global
+defaults. A request for `model:profile` uses that profile on the same loaded engine.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omlx.errors import InvalidRequestError, NotFoundError
+
+
+class GenerationDefaults(BaseModel):
+    """What a model or profile may preset; None means "not set here"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    context_length: int | None = Field(default=None, ge=16, description="Cap on the context window")
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ModelSettings(GenerationDefaults):
+    aliases: list[str] = Field(default_factory=list, description="Other names, globs allowed (claude-*)")
+    pinned: bool = False
+    ttl: int | None = Field(default=None, ge=0, description="Idle seconds before unload; 0 = never")
+    type: Literal["llm", "embedding", "reranker"] | None = None
+    profiles: dict[str, GenerationDefaults] = Field(default_factory=dict)
+
+    def effective(self, profile: str | None) -> GenerationDefaults:
+        """The model's defaults with the profile's set fields on top."""
+        base = GenerationDefaults(**self.model_dump(include=set(GenerationDefaults.model_fields)))
+        if profile is None:
+            return base
+        overrides = self.profiles[profile].model_dump(exclude_none=True)
+        return base.model_copy(update=overrides)
+
+
+class ModelSettingsStore:
+    """Thread-safe, atomically persisted map of model id → ModelSettings."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        self._data: dict[str, ModelSettings] = {}
+        if path.exists():
+            try:
+                raw = json.loads(path.read_text())
+                self._data = {k: ModelSettings(**v) for k, v in raw.items()}
+            except (OSError, ValueError, ValidationError, TypeError, AttributeError) as exc:
+                from omlx.errors import ConfigError
+
+                raise ConfigError(f"Cannot read {path}: {exc}. Fix or delete the file.") from None
+
+    def get(self, model_id: str) -> ModelSettings:
+        with self._lock:
+            return self._data.get(model_id, ModelSettings()).model_copy(deep=True)
+
+    def put(self, model_id: str, settings: ModelSettings) -> None:
+        with self._lock:
+            self._data[model_id] = settings
+            self._save()
+
+    def update(self, model_id: str, patch: dict[str, Any]) -> ModelSettings:
+        current = self.get(model_id).model_dump()
+        current.update(patch)
+        try:
+            new = ModelSettings(**current)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise InvalidRequestError(f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+        self.put(model_id, new)
+        return new
+
+    def set_profile(self, model_id: str, name: str, values: dict[str, Any], *, create: bool) -> ModelSettings:
+        if not name or ":" in name or "/" in name:
+            raise InvalidRequestError("Profile names must be non-empty and contain no ':' or '/'.", param="name")
+        settings = self.get(model_id)
+        if create and name in settings.profiles:
+            raise InvalidRequestError(f"Profile '{name}' already exists for '{model_id}'.", param="name")
+        if not create and name not in settings.profiles:
+            raise NotFoundError(f"Model '{model_id}' has no profile '{name}'.")
+        try:
+            settings.profiles[name] = GenerationDefaults(**values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"])
+            raise InvalidRequestError(f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+        self.put(model_id, settings)
+        return settings
+
+    def delete_profile(self, model_id: str, name: str) -> None:
+        settings = self.get(model_id)
+        if name not in settings.profiles:
+            raise NotFoundError(f"Model '{model_id}' has no profile '{name}'.")
+        del settings.profiles[name]
+        self.put(model_id, settings)
+
+    def resolve_alias(self, name: str, known: set[str]) -> str | None:
+        """The model id an alias (exact first, then glob) points to, if any."""
+        with self._lock:
+            items = [(mid, s.aliases) for mid, s in self._data.items() if mid in known]
+        for mid, aliases in items:
+            if name in aliases:
+                return mid
+        for mid, aliases in items:
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in aliases):
+                return mid
+        return None
+
+    def _save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({k: v.model_dump(exclude_defaults=True) for k, v in self._data.items()}, indent=2))
+        os.replace(tmp, self.path)
