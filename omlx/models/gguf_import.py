@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -186,9 +187,9 @@ def _open_reader(path: Path):
         reader = gguf.GGUFReader(path, "r")
     except Exception as exc:  # the reader raises ValueError/IndexError/KeyError/...
         raise GGUFImportError(
-            f"{path} could not be parsed as GGUF ({type(exc).__name__}: {exc}). The file is "
-            f"truncated or corrupt ({size} bytes on disk): download it again and check its "
-            "size or checksum against the source."
+            f"{path} is truncated or corrupt: it starts like a GGUF file but cannot be parsed "
+            f"({size} bytes on disk; reader error: {type(exc).__name__}: {exc}). Download it "
+            "again and check its size or checksum against the source."
         ) from exc
     end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
     if end > size:
@@ -383,9 +384,7 @@ def _unpermute_rows(x, n_heads: int):
             f"cannot undo the Q/K permutation: {rows} rows do not split into {n_heads} "
             "heads of even size; the head counts in the metadata do not match the tensors."
         )
-    return x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(
-        x.shape
-    )
+    return x.reshape(n_heads, rows // n_heads // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -404,9 +403,7 @@ def _hf_name(gguf_name: str) -> str | None:
 # --------------------------------------------------------------------------- config
 
 
-def _llama3_rope_scaling(
-    rope_freqs: np.ndarray, head_dim: int, base: float
-) -> dict[str, Any]:
+def _llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, base: float) -> dict[str, Any]:
     """Recover Llama-3 rope scaling parameters from llama.cpp's rope_freqs tensor."""
     factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
     if np.allclose(factors, 1.0):
@@ -578,7 +575,8 @@ def _build_tokenizer(meta: dict[str, Any]):
         merges.append((a, b))
 
     pre = meta.get("tokenizer.ggml.pre")
-    family = _PRE_TOKENIZER_FAMILIES.get(pre or "default")
+    pre_tokenizer = _pre_tokenizer(pre)  # raises for an unsupported one
+    family = _PRE_TOKENIZER_FAMILIES[pre or "default"]
     bpe = models.BPE(
         vocab=vocab,
         merges=merges,
@@ -587,7 +585,7 @@ def _build_tokenizer(meta: dict[str, Any]):
         ignore_merges=(family == "llama3"),
     )
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
 
     specials = [
@@ -616,8 +614,11 @@ def _build_tokenizer(meta: dict[str, Any]):
 
     if add_bos or add_eos:
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        pair = single + ([f"{bos}:1"] if add_bos else []) + ["$B:1"] + (
-            [f"{eos}:1"] if add_eos else []
+        pair = (
+            single
+            + ([f"{bos}:1"] if add_bos else [])
+            + ["$B:1"]
+            + ([f"{eos}:1"] if add_eos else [])
         )
         special_ids = []
         if add_bos:
@@ -631,7 +632,12 @@ def _build_tokenizer(meta: dict[str, Any]):
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
 
     special_map: dict[str, Any] = {}
-    for key, value in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
+    for key, value in (
+        ("bos_token", bos),
+        ("eos_token", eos),
+        ("unk_token", unk),
+        ("pad_token", pad),
+    ):
         if value is not None:
             special_map[key] = value
 
@@ -651,7 +657,11 @@ def _build_tokenizer(meta: dict[str, Any]):
         tok_config["chat_template"] = template
 
     eos_ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ):
         v = meta.get(key)
         if v is not None and int(v) not in eos_ids and 0 <= int(v) < len(tokens):
             eos_ids.append(int(v))
@@ -890,20 +900,26 @@ def import_gguf(
         if ids.get(key) is not None:
             config[key] = ids[key]
 
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    _save_weights(out_dir, weights, report)
-    del weights
-
-    _write_json(out_dir / "config.json", config)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", tok_config)
-    _write_json(out_dir / "special_tokens_map.json", special_map)
-    gen = {k: v for k, v in ids.items() if v is not None}
-    _write_json(out_dir / "generation_config.json", gen)
-    # Make sure everything is on disk before a caller renames the folder into place.
-    for f in out_dir.iterdir():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+    try:
+        _save_weights(out_dir, weights, report)
+        del weights
+        tokenizer.save(str(out_dir / "tokenizer.json"))
+        _write_json(out_dir / "tokenizer_config.json", tok_config)
+        _write_json(out_dir / "special_tokens_map.json", special_map)
+        gen = {k: v for k, v in ids.items() if v is not None}
+        _write_json(out_dir / "generation_config.json", gen)
+        # config.json last: a folder without it is not mistaken for a finished model.
+        _write_json(out_dir / "config.json", config)
+        # Make sure everything is on disk before a caller renames the folder into place.
+        for f in out_dir.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    except BaseException:
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     report("done", 1.0)
     return out_dir
