@@ -74,6 +74,13 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=1,
     ),
     Setting(
+        "keepalive_interval",
+        float,
+        10.0,
+        "Seconds between keep-alives (SSE comment / Anthropic ping) on a stream until its first token.",
+        minimum=0.05,
+    ),
+    Setting(
         "compute_dtype",
         str,
         "auto",

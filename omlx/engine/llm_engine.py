@@ -375,6 +375,7 @@ class LLMEngine:
         ev.cached_tokens = state.cached_tokens
         ev.completion_tokens = state.completion_tokens
         ev.first_token_time = state.first_token
+        ev.stop_string = state.stops.matched
         self._running.pop(state.uid, None)
         self._by_request.pop(state.handle.request.request_id, None)
         self._emit(state.handle, ev)

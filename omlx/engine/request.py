@@ -78,5 +78,6 @@ class GenerationEvent:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    stop_string: str | None = None  # set when a stop string (not EOS) ended the output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None

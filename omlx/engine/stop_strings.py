@@ -11,6 +11,7 @@ class StopStringMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self._held = ""
+        self.matched: str | None = None  # the stop string that ended the output
 
     def feed(self, segment: str, final: bool = False) -> tuple[str, bool]:
         """Returns (text safe to send now, whether a stop string matched)."""
@@ -21,7 +22,7 @@ class StopStringMatcher:
         for stop in self.stops:
             pos = text.find(stop)
             if pos != -1 and (first == -1 or pos < first):
-                first = pos
+                first, self.matched = pos, stop
         if first != -1:
             self._held = ""
             return text[:first], True

@@ -13,6 +13,7 @@ from omlx import __version__
 from omlx.cache.prefix_cache import CacheStore, make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
+from omlx.engine.embedding_engine import encoder_factories
 from omlx.engine.llm_engine import LLMEngine
 from omlx.errors import ConfigError
 from omlx.models.discovery import ModelInfo
@@ -20,8 +21,12 @@ from omlx.models.loader import load_llm
 from omlx.pool.engine_pool import EngineFactory, EnginePool
 from omlx.pool.memory import memory_limit_total
 from omlx.pool.model_settings import ModelSettings
+from omlx.api.responses_models import ResponseStore
 from omlx.server.admin_routes import router as admin_router
+from omlx.server.anthropic_routes import router as anthropic_router
+from omlx.server.responses_routes import router as responses_router
 from omlx.server.auth import require_api_key
+from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
 from omlx.server.openai_routes import router as openai_router
 from omlx.settings import Settings
@@ -45,7 +50,7 @@ def llm_factory(settings: Settings, store: CacheStore | None) -> EngineFactory:
 
 def engine_factories(settings: Settings, store: CacheStore | None) -> dict[str, EngineFactory]:
     """One factory per model type; the pool routes each model to its engine kind."""
-    return {"llm": llm_factory(settings, store)}
+    return {"llm": llm_factory(settings, store), **encoder_factories(settings)}
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -71,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.pool = pool
     app.state.cache = store
+    app.state.responses = ResponseStore()
     app.state.started = time.time()
     install_error_handlers(app)
 
@@ -96,4 +102,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.include_router(admin_router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
+    app.include_router(embedding_router, dependencies=[Depends(require_api_key)])
+    app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
+    app.include_router(responses_router, dependencies=[Depends(require_api_key)])
     return app

@@ -21,7 +21,6 @@ from omlx.server.generation import Collected, collect, completion_budget, merged
 from omlx.server.sse import KEEPALIVE, sse_data, with_keepalive
 
 router = APIRouter()
-KEEPALIVE_SECONDS = 10.0
 
 
 def sampling_from(req: SamplingFields, vocab_size: int, defaults: GenerationDefaults) -> SamplingParams:
@@ -194,7 +193,8 @@ async def _chat_completions(body: ChatCompletionRequest, request: Request, engin
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _chat_stream(engine, requests, base.request_id, body.model, created, include_usage),
+            _chat_stream(engine, requests, base.request_id, body.model, created, include_usage,
+                         request.app.state.settings.keepalive_interval),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -234,6 +234,7 @@ async def _chat_stream(
     model: str,
     created: int,
     include_usage: bool,
+    interval: float,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False) -> str:
         payload = {
@@ -256,7 +257,7 @@ async def _chat_stream(
         )
     finals: list[Collected] = [Collected() for _ in requests]
     want_logprobs = requests[0].logprobs is not None
-    async for item in with_keepalive(merged(engine, requests), KEEPALIVE_SECONDS):
+    async for item in with_keepalive(merged(engine, requests), interval):
         if item is KEEPALIVE:
             yield ": keep-alive\n\n"
             continue
@@ -340,7 +341,8 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _completion_stream(engine, requests, rid, body.model, created, include_usage, prompt_texts if body.echo else None),
+            _completion_stream(engine, requests, rid, body.model, created, include_usage,
+                               prompt_texts if body.echo else None, request.app.state.settings.keepalive_interval),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -384,6 +386,7 @@ async def _completion_stream(
     created: int,
     include_usage: bool,
     echo_texts: list[str] | None,
+    interval: float,
 ) -> AsyncIterator[str]:
     def chunk(choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False) -> str:
         payload = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -396,7 +399,7 @@ async def _completion_stream(
             yield chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}], None, include_usage)
     finals: list[Collected] = [Collected() for _ in requests]
     want_logprobs = requests[0].logprobs is not None
-    async for item in with_keepalive(merged(engine, requests), KEEPALIVE_SECONDS):
+    async for item in with_keepalive(merged(engine, requests), interval):
         if item is KEEPALIVE:
             yield ": keep-alive\n\n"
             continue

@@ -1,0 +1,200 @@
+"""The API-neutral chat turn: render with tools and thinking, generate, parse the output.
+
+OpenAI chat, Anthropic Messages and the Responses API each convert their wire
+request into a `ChatTurn` (HF-style messages, tool specs, sampling values) and
+consume the same stream of parsed deltas (`TextDelta`, `ReasoningDelta`,
+`ToolCall`) ending in a `ChatFinal`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from omlx.api.chat_template import render_chat
+from omlx.api.output_parser import OutputParser, ReasoningDelta, TextDelta, ToolCall, detect_family
+from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
+from omlx.engine.llm_engine import LLMEngine
+from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, new_request_id
+from omlx.errors import EngineError, InvalidRequestError
+from omlx.pool.engine_pool import Resolved
+from omlx.server.generation import completion_budget
+
+log = logging.getLogger("omlx.server")
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+@dataclass
+class ChatTurn:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # [{"name", "description", "parameters"}]
+    tool_choice: str | None = None  # "auto" | "none" | "required" | a tool name
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)
+    sampling: dict[str, Any] = field(default_factory=dict)  # request values; None = not given
+    seed: int | None = None
+    logit_bias: dict[int, float] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None
+    id_prefix: str = "chatcmpl"
+
+
+@dataclass
+class PreparedChat:
+    request: GenerationRequest
+    family: str | None
+    tools: list[dict[str, Any]] | None
+    reasoning: bool
+    starts_in_reasoning: bool
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+
+    def new_parser(self) -> OutputParser:
+        return OutputParser(
+            family=self.family,
+            tools=self.tools,
+            reasoning=self.reasoning,
+            think_start=self.think_start,
+            think_end=self.think_end,
+            starts_in_reasoning=self.starts_in_reasoning,
+        )
+
+
+@dataclass
+class ChatFinal:
+    finish_reason: str  # "stop" | "length" | "tool_calls"
+    stop_string: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+def _tool_instruction(choice: str | None, tools: list[dict[str, Any]]) -> str | None:
+    if choice in (None, "auto", "none"):
+        return None
+    if choice in ("required", "any"):
+        return "You must answer by calling one of the available tools."
+    return f"You must answer by calling the tool '{choice}'."
+
+
+def _fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Templates that allow a system message only first: fold later ones into the first."""
+    systems = [m for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    if not systems:
+        return messages
+    merged = "\n\n".join(str(m.get("content") or "") for m in systems)
+    return [{"role": "system", "content": merged}, *rest]
+
+
+def render_turn(tokenizer: Any, turn: ChatTurn, tools: list[dict[str, Any]] | None, native_tools: bool) -> list[int]:
+    messages = [dict(m) for m in turn.messages]
+    instruction = _tool_instruction(turn.tool_choice, tools or [])
+    if tools and not native_tools:
+        messages = inject_tools_into_system(messages, tools)
+    if instruction:
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}"}
+        else:
+            messages.insert(0, {"role": "system", "content": instruction})
+    template_tools = [{"type": "function", "function": t} for t in tools] if tools and native_tools else None
+    try:
+        return render_chat(tokenizer, messages, tools=template_tools, template_kwargs=turn.template_kwargs)
+    except InvalidRequestError:
+        late_system = any(m["role"] == "system" for m in messages[1:])
+        if not late_system:
+            raise
+        return render_chat(
+            tokenizer, _fold_late_system(messages), tools=template_tools, template_kwargs=turn.template_kwargs
+        )
+
+
+async def prepare_chat(
+    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int
+) -> PreparedChat:
+    tokenizer = engine.tokenizer
+    defaults = resolved.defaults
+    tools = None if turn.tool_choice == "none" else (turn.tools or None)
+    native = bool(tools) and template_supports_tools(tokenizer)
+    family = detect_family(tokenizer) if native else ("hermes" if tools else detect_family(tokenizer))
+    turn.template_kwargs = {**(defaults.chat_template_kwargs or {}), **turn.template_kwargs}
+    prompt = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native)
+    think_start = getattr(tokenizer, "think_start", None) or "<think>"
+    think_end = getattr(tokenizer, "think_end", None) or "</think>"
+    reasoning = bool(getattr(tokenizer, "has_thinking", False))
+    tail = tokenizer.decode(prompt[-8:]) if reasoning else ""
+    starts_in_reasoning = reasoning and tail.rstrip().endswith(think_start)
+    if turn.max_tokens == 0:
+        raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
+    budget = completion_budget(
+        engine, len(prompt), turn.max_tokens, defaults.max_tokens or default_max_tokens,
+        window_cap=defaults.context_length,
+    )
+    values = {}
+    for name in SAMPLING_FIELDS:
+        value = turn.sampling.get(name)
+        if value is None:
+            value = getattr(defaults, name)
+        values[name] = FALLBACKS.get(name) if value is None else value
+    request = GenerationRequest(
+        request_id=new_request_id(turn.id_prefix),
+        prompt_tokens=prompt,
+        max_tokens=budget,
+        sampling=SamplingParams(**values, seed=turn.seed, logit_bias=turn.logit_bias),
+        stop=turn.stop,
+        logprobs=turn.logprobs,
+    )
+    return PreparedChat(request, family, tools, reasoning, starts_in_reasoning, think_start, think_end)
+
+
+def final_from(ev: GenerationEvent, parser: OutputParser) -> ChatFinal:
+    reason = ev.finish_reason or "stop"
+    if parser.tool_calls and reason == "stop":
+        reason = "tool_calls"
+    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
+
+
+async def parsed_events(
+    events: AsyncIterator[GenerationEvent], parser: OutputParser
+) -> AsyncIterator[tuple[list[TextDelta | ReasoningDelta | ToolCall], GenerationEvent]]:
+    """Each engine event with the parsed deltas its text produced (the last one also flushes)."""
+    async for ev in events:
+        if ev.finish_reason == "error":
+            raise EngineError(ev.error or "generation failed")
+        deltas = parser.feed(ev.text) if ev.text else []
+        if ev.finish_reason is not None:
+            deltas += parser.finish()
+        yield deltas, ev
+
+
+@dataclass
+class ChatResult:
+    text: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    final: ChatFinal
+    events: list[GenerationEvent]
+
+
+async def run_chat(engine: LLMEngine, prepared: PreparedChat, request: GenerationRequest | None = None) -> ChatResult:
+    parser = prepared.new_parser()
+    text, reasoning, calls, events = [], [], [], []
+    final = None
+    async for deltas, ev in parsed_events(engine.generate(request or prepared.request), parser):
+        events.append(ev)
+        for d in deltas:
+            if isinstance(d, TextDelta):
+                text.append(d.text)
+            elif isinstance(d, ReasoningDelta):
+                reasoning.append(d.text)
+            else:
+                calls.append(d)
+        if ev.finish_reason is not None:
+            final = final_from(ev, parser)
+    assert final is not None
+    return ChatResult("".join(text), "".join(reasoning), calls, final, events)
