@@ -67,6 +67,22 @@ Rules:
 * Inside reasoning, tool-call markup is not interpreted.
 * Every call gets a fresh id ``call_<24 hex>``; an id the model printed itself (Kimi's
   ``functions.f:0``, Mistral's 9-character ids) is kept in ``ToolCall.model_id``.
+* Llama 3's JSON without ``<|python_tag|>`` is read by the bare-JSON fallback, so its names
+  must be offered tools. A stray ``</think>`` outside reasoning is dropped.
+
+Typical use, with an mlx-lm ``TokenizerWrapper`` ``tok``::
+
+    parser = OutputParser(
+        family=detect_family(tok),              # or "hermes" after tool_prompt injection
+        tools=request_tools,
+        reasoning=tok.has_thinking,
+        think_start=tok.think_start or "<think>",
+        think_end=tok.think_end or "</think>",
+        starts_in_reasoning=prompt_opens_reasoning(prompt_text, tok.think_start, tok.think_end),
+    )
+    for segment in generated_segments:
+        send(parser.feed(segment))
+    send(parser.finish())
 """
 
 from __future__ import annotations
@@ -392,9 +408,15 @@ def _parse_mistral(inner: str, tools: list | None) -> list[dict]:
     return calls
 
 
+_PRINT_CALL = re.compile(r"print\((.*)\)\s*$", re.DOTALL)
+
+
 def _pythonic_calls(code: str, tools: list | None) -> list[dict]:
     """Python call syntax (``f(x=1)``, one per line or a list) via mlx-lm's pythonic parser."""
     code = code.strip()
+    printed = _PRINT_CALL.match(code)  # Gemma 3 examples wrap the call in print(...)
+    if printed:
+        code = printed.group(1).strip()
     if not code:
         raise ValueError("empty")
     parser = _mlx_parser("pythonic")
@@ -667,7 +689,7 @@ def detect_family(tokenizer: Any) -> str | None:
 
 
 def prompt_opens_reasoning(
-    prompt_text: str, think_start: str = "<think>", think_end: str = "</think>"
+    prompt_text: str, think_start: str | None = "<think>", think_end: str | None = "</think>"
 ) -> bool:
     """Whether the rendered prompt ends inside a think block (``starts_in_reasoning``).
 
@@ -925,13 +947,8 @@ class OutputParser:
                 self._held_ws = self._text.take_ws()
                 self._mode, self._buf = _JSON, buf
                 self._acc_reset()
-                self._head, self._depth, self._quote, self._escape, self._plaus = (
-                    "",
-                    0,
-                    "",
-                    False,
-                    None,
-                )
+                self._head, self._depth, self._plaus = "", 0, None
+                self._quote, self._escape = "", False
                 return True
         self._seg_start = False
         self._after_json_call = False

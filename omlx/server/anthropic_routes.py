@@ -20,12 +20,20 @@ from omlx.api.anthropic_models import (
     tool_specs,
 )
 from omlx.api.output_parser import ReasoningDelta, TextDelta, ToolCall
+from omlx.api.tool_prompt import template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.pool.engine_pool import Resolved
-from omlx.server.chat_pipeline import ChatFinal, ChatTurn, final_from, parsed_events, prepare_chat, render_turn, run_chat
+from omlx.server.chat_pipeline import (
+    ChatFinal,
+    ChatTurn,
+    final_from,
+    parsed_events,
+    prepare_chat,
+    render_turn,
+    run_chat,
+)
 from omlx.server.openai_routes import default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, sse_event, with_keepalive
-from omlx.api.tool_prompt import template_supports_tools
 
 router = APIRouter()
 

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from omlx import __version__
+from omlx.api.responses_models import ResponseStore
 from omlx.cache.prefix_cache import CacheStore, make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
@@ -21,14 +22,14 @@ from omlx.models.loader import load_llm
 from omlx.pool.engine_pool import EngineFactory, EnginePool
 from omlx.pool.memory import memory_limit_total
 from omlx.pool.model_settings import ModelSettings
-from omlx.api.responses_models import ResponseStore
 from omlx.server.admin_routes import router as admin_router
 from omlx.server.anthropic_routes import router as anthropic_router
-from omlx.server.responses_routes import router as responses_router
 from omlx.server.auth import require_api_key
 from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
+from omlx.server.openai_chat import router as openai_chat_router
 from omlx.server.openai_routes import router as openai_router
+from omlx.server.responses_routes import router as responses_router
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx.server")
@@ -101,6 +102,7 @@ def create_app(settings: Settings) -> FastAPI:
         }
 
     app.include_router(admin_router, dependencies=[Depends(require_api_key)])
+    app.include_router(openai_chat_router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     app.include_router(embedding_router, dependencies=[Depends(require_api_key)])
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])

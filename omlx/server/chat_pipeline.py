@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.api.chat_template import render_chat
-from omlx.api.output_parser import OutputParser, ReasoningDelta, TextDelta, ToolCall, detect_family
+from omlx.api.output_parser import (
+    OutputParser,
+    ReasoningDelta,
+    TextDelta,
+    ToolCall,
+    detect_family,
+    prompt_opens_reasoning,
+)
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, new_request_id
@@ -127,8 +134,7 @@ async def prepare_chat(
     think_start = getattr(tokenizer, "think_start", None) or "<think>"
     think_end = getattr(tokenizer, "think_end", None) or "</think>"
     reasoning = bool(getattr(tokenizer, "has_thinking", False))
-    tail = tokenizer.decode(prompt[-8:]) if reasoning else ""
-    starts_in_reasoning = reasoning and tail.rstrip().endswith(think_start)
+    starts_in_reasoning = reasoning and prompt_opens_reasoning(tokenizer.decode(prompt[-32:]), think_start, think_end)
     if turn.max_tokens == 0:
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
     budget = completion_budget(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omlx.engine.llm_engine import LLMEngine
@@ -108,6 +108,17 @@ async def merged(engine: LLMEngine, requests: list[GenerationRequest]) -> AsyncI
     finally:
         for t in tasks:
             t.cancel()
+
+
+def fan_out(base: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """n choices = n sequences; seeded ones get distinct but reproducible seeds."""
+    if n == 1:
+        return [base]
+    out = []
+    for i in range(n):
+        seed = base.sampling.seed + i if base.sampling.seed is not None else None
+        out.append(replace(base, request_id=f"{base.request_id}-{i}", sampling=replace(base.sampling, seed=seed)))
+    return out
 
 
 def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -10,14 +10,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from omlx.api.chat_template import content_text, normalize_tool_calls, render_chat
-from omlx.api.openai_models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from omlx.api.openai_models import CompletionRequest, SamplingFields
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams, TokenLogprob, new_request_id
 from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.pool.model_settings import GenerationDefaults
-from omlx.server.generation import Collected, collect, completion_budget, merged, usage_dict
+from omlx.server.generation import (
+    Collected,
+    collect,
+    completion_budget,
+    fan_out,
+    merged,
+    usage_dict,
+)
 from omlx.server.sse import KEEPALIVE, sse_data, with_keepalive
 
 router = APIRouter()
@@ -55,27 +61,6 @@ def sampling_from(req: SamplingFields, vocab_size: int, defaults: GenerationDefa
     )
 
 
-def _fan_out(base: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """n choices = n sequences; seeded ones get distinct but reproducible seeds."""
-    out = []
-    for i in range(n):
-        sampling = SamplingParams(**vars(base.sampling))
-        if sampling.seed is not None and i:
-            sampling.seed = sampling.seed + i
-        out.append(
-            GenerationRequest(
-                request_id=f"{base.request_id}-{i}" if n > 1 else base.request_id,
-                prompt_tokens=base.prompt_tokens,
-                max_tokens=base.max_tokens,
-                sampling=sampling,
-                stop=base.stop,
-                logprobs=base.logprobs,
-                prompt_logprobs=base.prompt_logprobs,
-            )
-        )
-    return out
-
-
 def _token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token])
 
@@ -110,23 +95,6 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """OpenAI messages → HF chat-template messages."""
-    out = []
-    for i, m in enumerate(req.messages):
-        role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
-        msg: dict[str, Any] = {"role": role, "content": content_text(m.content, f"messages.{i}.content")}
-        calls = normalize_tool_calls(m.tool_calls)
-        if calls:
-            msg["tool_calls"] = calls
-        if m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name:
-            msg["name"] = m.name
-        out.append(msg)
-    return out
-
-
 def _pool(request: Request) -> Any:
     return request.app.state.pool
 
@@ -159,130 +127,11 @@ def default_max_tokens(request: Request, defaults: GenerationDefaults) -> int:
     return defaults.max_tokens or request.app.state.settings.default_max_tokens
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await with_llm(request, body.model, lambda e, r: _chat_completions(body, request, e, r))
-
-
-async def _chat_completions(body: ChatCompletionRequest, request: Request, engine: LLMEngine, resolved: Resolved):
-    tokenizer = engine.tokenizer
-    defaults = resolved.defaults
-    tools = [t.get("function", t) if t.get("type") == "function" else t for t in (body.tools or [])] or None
-    messages = chat_messages(body)
-    template_kwargs = {**(defaults.chat_template_kwargs or {}), **(body.chat_template_kwargs or {})}
-    prompt = await asyncio.to_thread(
-        render_chat, tokenizer, messages, tools=tools, template_kwargs=template_kwargs
-    )
-    requested = body.max_completion_tokens or body.max_tokens
-    if requested == 0:
-        raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
-    budget = completion_budget(
-        engine, len(prompt), requested, default_max_tokens(request, defaults), window_cap=defaults.context_length
-    )
-    top = body.top_logprobs if body.top_logprobs is not None else 0
-    base = GenerationRequest(
-        request_id=new_request_id("chatcmpl"),
-        prompt_tokens=prompt,
-        max_tokens=budget,
-        sampling=sampling_from(body, engine.model_vocab_size, defaults),
-        stop=body.stop_list(),
-        logprobs=top if body.logprobs else None,
-    )
-    requests = _fan_out(base, body.n)
-    created = int(time.time())
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _chat_stream(engine, requests, base.request_id, body.model, created, include_usage,
-                         request.app.state.settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    results = await collect(engine, requests)
-    return JSONResponse(
-        {
-            "id": base.request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": body.model,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": r.text},
-                    "logprobs": chat_logprobs(tokenizer, r.logprobs) if body.logprobs else None,
-                    "finish_reason": r.finish_reason,
-                }
-                for i, r in enumerate(results)
-            ],
-            "usage": _usage(results),
-        }
-    )
-
-
 def _usage(results: list[Collected]) -> dict[str, Any]:
     first = results[0]
     return usage_dict(
         first.prompt_tokens, sum(r.completion_tokens for r in results), first.cached_tokens
     )
-
-
-async def _chat_stream(
-    engine: LLMEngine,
-    requests: list[GenerationRequest],
-    rid: str,
-    model: str,
-    created: int,
-    include_usage: bool,
-    interval: float,
-) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage: Any = None, with_usage: bool = False) -> str:
-        payload = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if with_usage:
-            payload["usage"] = usage
-        return sse_data(payload)
-
-    for i in range(len(requests)):
-        yield chunk(
-            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-            None,
-            include_usage,
-        )
-    finals: list[Collected] = [Collected() for _ in requests]
-    want_logprobs = requests[0].logprobs is not None
-    async for item in with_keepalive(merged(engine, requests), interval):
-        if item is KEEPALIVE:
-            yield ": keep-alive\n\n"
-            continue
-        i, ev = item  # type: ignore[misc]
-        if ev.finish_reason == "error":
-            yield sse_data({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}})
-            return
-        if ev.text or ev.token_ids:
-            lp = chat_logprobs(engine.tokenizer, ev.logprobs) if want_logprobs else None
-            if ev.text or lp:
-                yield chunk(
-                    [{"index": i, "delta": {"content": ev.text}, "logprobs": lp, "finish_reason": None}],
-                    None,
-                    include_usage,
-                )
-        if ev.finish_reason is not None:
-            finals[i].add(ev)
-            yield chunk(
-                [{"index": i, "delta": {}, "logprobs": None, "finish_reason": ev.finish_reason}],
-                None,
-                include_usage,
-            )
-    if include_usage:
-        yield chunk([], _usage(finals), True)
-    yield "data: [DONE]\n\n"
 
 
 def _completion_prompts(tokenizer: Any, prompt: Any) -> list[list[int]]:
@@ -334,7 +183,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
         )
-        requests += _fan_out(base, body.n)
+        requests += fan_out(base, body.n)
     rid = requests[0].request_id.rsplit("-", 1)[0] if body.n > 1 else requests[0].request_id
     created = int(time.time())
     prompt_texts = [tokenizer.decode(p) for p in prompts for _ in range(body.n)]

@@ -61,8 +61,8 @@ def prepare_model_dir(settings: Settings) -> None:
 def run_server(settings: Settings) -> None:
     configure_logging(settings.log_level)
     prepare_model_dir(settings)
-    from omlx.platform_info import BLAS_HINT, blas_in_use, device_info
     from omlx.models.loader import resolve_compute_dtype
+    from omlx.platform_info import BLAS_HINT, blas_in_use, device_info
     from omlx.server.app import create_app
 
     dev = device_info()
