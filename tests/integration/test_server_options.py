@@ -66,3 +66,29 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
         assert r.status_code == 200
     finally:
         server.stop()
+
+
+def test_keepalives_flow_while_a_long_prefill_runs(tmp_path):
+    from tests.support.tiny_model import build_tiny_llama
+
+    models = tmp_path / "models"
+    build_tiny_llama(models / "slow", context=16384, hidden=512, layers=8)
+    server = ServerProcess(
+        tmp_path / "home",
+        ["--model-dir", str(models), "--model", "slow", "--keepalive-interval", "0.05",
+         "--prefill-step-size", "64", "--no-cache"],
+    )
+    server.start()
+    try:
+        prompt = "fox jumps " * 1500
+        body = {"model": "slow", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": prompt}]}
+        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+            lines = [line for line in r.iter_lines() if line]
+        first_content = next(i for i, line in enumerate(lines) if '"content":"' in line and '"role"' not in line)
+        assert any(line == ": keep-alive" for line in lines[:first_content])
+        with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=120) as r:
+            events = [line for line in r.iter_lines() if line.startswith("event: ")]
+        start = events.index("event: content_block_start")
+        assert events[1] == "event: ping" and events[:start].count("event: ping") >= 3
+    finally:
+        server.stop()
