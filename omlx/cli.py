@@ -7,13 +7,13 @@ and exit non-zero; tracebacks are for our bugs only.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-import inspect
 import typer
 from rich.console import Console
 

@@ -51,6 +51,13 @@ class ModelSettings(GenerationDefaults):
         return base.model_copy(update=overrides)
 
 
+def _invalid(exc: ValidationError) -> InvalidRequestError:
+    """The first validation problem as a 400 naming the field."""
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"])
+    return InvalidRequestError(f"Invalid value for '{field}': {err['msg']}.", param=field)
+
+
 class ModelSettingsStore:
     """Thread-safe, atomically persisted map of model id → ModelSettings."""
 
@@ -82,9 +89,7 @@ class ModelSettingsStore:
         try:
             new = ModelSettings(**current)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequestError(f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+            raise _invalid(exc) from None
         self.put(model_id, new)
         return new
 
@@ -99,9 +104,7 @@ class ModelSettingsStore:
         try:
             settings.profiles[name] = GenerationDefaults(**values)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequestError(f"Invalid value for '{field}': {err['msg']}.", param=field) from None
+            raise _invalid(exc) from None
         self.put(model_id, settings)
         return settings
 
