@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,17 @@ from omlx.cache.ssd_tier import SSDTier
 from omlx.engine.llm_engine import PrefixCacheHooks
 
 log = logging.getLogger("omlx.cache")
+
+MAX_PARENTS = 50_000  # token-level tail index: bounded bookkeeping, ~1 KB per entry
+MAX_SIBLINGS = 16
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass
@@ -116,6 +128,8 @@ class PrefixCache(PrefixCacheHooks):
         self.prefill_rate = Throughput()  # tokens/s of recompute on this device
         self.ssd_rate = Throughput()  # bytes/s of SSD restores
         self.bytes_per_token = 0
+        # parent key ("" = root) → children stored by this process, with their tokens
+        self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
 
     # ----- lookup / restore ----------------------------------------------------------
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
@@ -156,10 +170,10 @@ class PrefixCache(PrefixCacheHooks):
                     self.tiers.counters.skipped_restores += 1
         n = len(blocks) * self.B
         parts = [(b, self.B) for b in blocks]
-        tail = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:])
+        tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:])
         if tail is not None and limit - n > 0:
             # an exact repeat finds the whole prompt's tail: use all but the last token
-            use = min(tail.token_count, limit - n)
+            use = min(usable, limit - n)
             parts.append((tail, use))
             n += use
         if not parts:
@@ -174,21 +188,54 @@ class PrefixCache(PrefixCacheHooks):
         recompute_s = n_tokens / self.prefill_rate.value
         return restore_s < recompute_s
 
-    def _find_tail(self, parent: str | None, rest: list[int]) -> CacheBlock | None:
-        """The longest stored partial block that continues `parent` with a prefix of `rest`."""
-        hot, ssd = self.tiers.hot, self.tiers.ssd
+    def _find_tail(self, parent: str | None, rest: list[int]) -> tuple[CacheBlock | None, int]:
+        """The stored block after `parent` sharing the longest token prefix with `rest`.
+
+        Exact partial blocks are found by key (this also works after a restart); blocks
+        stored by this process are also matched token by token, so a conversation whose
+        template re-renders history differently (dropped reasoning, edited tail) still
+        reuses everything up to the first differing token. Returns (block, usable tokens).
+        """
+        best: tuple[CacheBlock | None, int] = (None, 0)
         for length in range(min(self.B - 1, len(rest)), 0, -1):
-            key = chain_key(self.fp, parent, rest[:length])
-            if hot.contains(key):
-                block = hot.get(key)
-                if block is not None:
-                    return block
-            if ssd is not None and ssd.contains(key, self.fp):
-                block = ssd.get(key, self.fp)
-                if block is not None:
-                    hot.put(block)
-                    return block
+            block = self._get(chain_key(self.fp, parent, rest[:length]))
+            if block is not None:
+                best = (block, length)
+                break
+        candidates = sorted(
+            ((_common_prefix(toks, rest), key) for key, toks in self._children.get(parent or "", ())),
+            reverse=True,
+        )
+        for shared, key in candidates:
+            if shared <= best[1]:
+                break
+            block = self._get(key)
+            if block is not None:
+                return block, shared
+        return best
+
+    def _get(self, key: str) -> CacheBlock | None:
+        """A block from the hot tier, else the SSD (promoted to hot); None if in neither."""
+        hot, ssd = self.tiers.hot, self.tiers.ssd
+        if hot.contains(key):
+            block = hot.get(key)
+            if block is not None:
+                return block
+        if ssd is not None and ssd.contains(key, self.fp):
+            block = ssd.get(key, self.fp)
+            if block is not None:
+                hot.put(block)
+                return block
         return None
+
+    def _remember_child(self, parent: str | None, key: str, tokens: list[int]) -> None:
+        siblings = self._children.setdefault(parent or "", [])
+        self._children.move_to_end(parent or "")
+        if all(k != key for k, _ in siblings):
+            siblings.append((key, tuple(tokens)))
+            del siblings[:-MAX_SIBLINGS]
+        while len(self._children) > MAX_PARENTS:
+            self._children.popitem(last=False)
 
     def _to_cache(self, parts: list[tuple[CacheBlock, int]]) -> list[Any]:
         """Concatenate per layer; `(block, n)` uses the block's first n tokens."""
@@ -228,6 +275,8 @@ class PrefixCache(PrefixCacheHooks):
         if not new:
             return
         blocks = [self._make_block(cache, *spec) for spec in new]
+        for key, parent, a, b in new:
+            self._remember_child(parent, key, tokens[a:b])
         mx.eval([t for b in blocks for t in b.tensors.values()])
         for block in blocks:
             hot.put(block)
