@@ -85,8 +85,10 @@ class LLMEngine:
         max_waiting: int = 64,
         prefill_step_size: int = 512,
         prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
+        on_finished: Callable[[str, dict[str, Any]], None] | None = None,
     ):
         self.model_id = model_id
+        self._on_finished = on_finished  # called on the engine thread with each request's numbers
         self._loader = loader
         self._prefix_cache_factory = prefix_cache_factory
         self.loaded: LoadedLLM | None = None
@@ -321,7 +323,7 @@ class LLMEngine:
                 )
                 cache_and_tokens = self._bg.extract_cache([pr.uid]).get(pr.uid)
                 if cache_and_tokens is not None:
-                    self.prefix_cache.store(list(cache_and_tokens[1]), cache_and_tokens[0], final=False)
+                    self._store(list(cache_and_tokens[1]), cache_and_tokens[0], final=False)
         touched: list[_Running] = []
         for r in generation_responses:
             state = self._running.get(r.uid)
@@ -332,6 +334,13 @@ class LLMEngine:
                 touched.append(state)
         for state in touched:
             self._flush(state)
+
+    def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
+        """Caching is an optimisation: its failure is logged, never fails the request."""
+        try:
+            self.prefix_cache.store(tokens, cache, final=final)
+        except Exception:
+            log.exception("storing prefix-cache blocks for %s failed", self.model_id)
 
     def _on_token(self, state: _Running, r: Any) -> None:
         now = time.perf_counter()
@@ -358,7 +367,7 @@ class LLMEngine:
             self._finish(state, "stop")
         elif r.finish_reason is not None:
             if r.prompt_cache is not None and r.all_tokens is not None:
-                self.prefix_cache.store(list(r.all_tokens), r.prompt_cache, final=True)
+                self._store(list(r.all_tokens), r.prompt_cache, final=True)
             self._finish(state, r.finish_reason)
 
     def _flush(self, state: _Running) -> None:
@@ -398,6 +407,18 @@ class LLMEngine:
             reason,
             "hit" if state.cached_tokens else "miss",
         )
+        if self._on_finished is not None:
+            self._on_finished(
+                self.model_id,
+                {
+                    "finish_reason": reason,
+                    "prompt_tokens": state.prompt_len,
+                    "cached_tokens": state.cached_tokens,
+                    "completion_tokens": state.completion_tokens,
+                    "ttft_s": ttft,
+                    "decode_tps": tps,
+                },
+            )
 
     @staticmethod
     def _emit(handle: _Handle, event: GenerationEvent) -> None:
