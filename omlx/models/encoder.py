@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from omlx.errors import InvalidRequestError
 
@@ -122,6 +123,31 @@ class EncoderConfig:
             ) from None
 
 
+class Packing:
+    """Real tokens of a right-padded (B, L) batch, packed into (T, …) rows and back.
+
+    The dense layers (most of the work) run on the T real tokens only, so a batch of
+    mixed lengths wastes nothing on padding there; only attention uses the padded layout.
+    """
+
+    def __init__(self, mask: mx.array):
+        m = np.array(mask, dtype=bool).reshape(-1)
+        self.shape = tuple(mask.shape)
+        self.count = int(m.sum())
+        slot = np.full(m.size, self.count, dtype=np.int32)  # padding → an all-zero row
+        slot[m] = np.arange(self.count, dtype=np.int32)
+        self.real = mx.array(np.flatnonzero(m).astype(np.int32))
+        self.slot = mx.array(slot)
+
+    def pack(self, x: mx.array) -> mx.array:
+        """(B·L, …) → (T, …)"""
+        return x[self.real]
+
+    def pad(self, x: mx.array) -> mx.array:
+        """(T, D) → (B·L, D), zeros at padding."""
+        return mx.concatenate([x, mx.zeros((1, x.shape[-1]), dtype=x.dtype)])[self.slot]
+
+
 class Embeddings(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
@@ -147,17 +173,19 @@ class Attention(nn.Module):
         self.value = nn.Linear(d, d)
         self.out = nn.Linear(d, d)
 
-    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
-        b, n, _ = x.shape
+    def __call__(self, x: mx.array, mask: mx.array, packing: Packing) -> mx.array:
+        """x: packed real tokens (T, D); attention runs on the padded (B, H, L, Dh) layout."""
+        b, n = packing.shape
 
         def split(t: mx.array) -> mx.array:
+            t = packing.pad(t)
             return t.reshape(b, n, self.heads, self.head_dim).transpose(0, 2, 1, 3)
 
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
         o = mx.fast.scaled_dot_product_attention(
             q, k, v, scale=1.0 / math.sqrt(self.head_dim), mask=mask
         )
-        return self.out(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        return self.out(packing.pack(o.transpose(0, 2, 1, 3).reshape(b * n, -1)))
 
 
 class Layer(nn.Module):
@@ -172,8 +200,8 @@ class Layer(nn.Module):
         self.ffn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def __call__(self, x: mx.array, mask: mx.array) -> mx.array:
-        x = self.attn_norm(x + self.attn(x, mask))
+    def __call__(self, x: mx.array, mask: mx.array, packing: Packing) -> mx.array:
+        x = self.attn_norm(x + self.attn(x, mask, packing))
         return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
 
 
@@ -222,14 +250,20 @@ class Encoder(nn.Module):
         return mx.broadcast_to(mx.arange(mask.shape[1])[None], mask.shape)
 
     def __call__(self, ids: mx.array, mask: mx.array, type_ids: mx.array | None = None) -> mx.array:
-        """ids, mask (1 = real token), type_ids: (B, L) → hidden states (B, L, D)."""
+        """ids, mask (1 = real token), type_ids: (B, L) → hidden states (B, L, D), 0 at padding."""
         if type_ids is None or self.cfg.is_roberta:
             type_ids = mx.zeros_like(ids)
-        h = self.embeddings(ids, type_ids, self.positions(mask))
+        packing = Packing(mask)
+        flat = packing.pack
+        h = self.embeddings(
+            flat(ids.reshape(-1)),
+            flat(type_ids.reshape(-1)),
+            flat(self.positions(mask).reshape(-1)),
+        )
         additive = mx.where(mask[:, None, None, :].astype(mx.bool_), 0.0, -1e9).astype(h.dtype)
         for layer in self.layers:
-            h = layer(h, additive)
-        return h
+            h = layer(h, additive, packing)
+        return packing.pad(h).reshape(*packing.shape, -1)
 
     def classify(self, ids: mx.array, mask: mx.array, type_ids: mx.array | None = None) -> mx.array:
         """Classification logits (B, num_labels)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from tokenizers import Tokenizer
 
 from omlx.errors import InvalidRequestError
@@ -305,12 +306,13 @@ def _cast(model: nn.Module, compute_dtype: str) -> None:
 def _load_weights(model: Encoder, path: Path, model_id: str, keep_pooler: bool) -> None:
     files = sorted(path.glob("*.safetensors"))
     weights: dict[str, mx.array] = {}
+    heads = model.cfg.num_labels > 0  # a classifier embedded as a plain encoder drops its head
     for f in files:
         for name, value in mx.load(str(f)).items():
             key = hf_key(name, keep_pooler=keep_pooler)
-            if key is not None:
+            if key is not None and (heads or not key.startswith("classifier.")):
                 weights[key] = value
-    expected = {k for k, _ in nn.utils.tree_flatten(model.parameters())}
+    expected = {k for k, _ in tree_flatten(model.parameters())}
     missing = sorted(expected - set(weights))
     extra = sorted(set(weights) - expected)
     if missing or extra:

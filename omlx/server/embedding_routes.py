@@ -13,11 +13,18 @@ from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from omlx.engine.request import new_request_id
 from omlx.errors import InvalidRequestError
-from omlx.models.causal_reranker import answer_token_ids, micro_batches, prompt_ids, score_prompts
+from omlx.models.causal_reranker import (
+    answer_token_ids,
+    is_trained_reranker,
+    micro_batches,
+    prompt_ids,
+    score_prompts,
+)
 from omlx.models.encoder_loader import Encoded, LoadedEncoder
 
 router = APIRouter()
@@ -192,15 +199,22 @@ async def embeddings(body: EmbeddingRequest, request: Request):
         if loaded.normalize:
             rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
     tokens = sum(len(e.ids) for e in inputs)
-    return {
-        "object": "list",
-        "data": [
-            {"object": "embedding", "index": i, "embedding": _encode_row(row, body.encoding_format)}
-            for i, row in enumerate(rows)
-        ],
-        "model": body.model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    # JSONResponse directly: FastAPI's encoder would walk every float of every vector.
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "object": "embedding",
+                    "index": i,
+                    "embedding": _encode_row(row, body.encoding_format),
+                }
+                for i, row in enumerate(rows)
+            ],
+            "model": body.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
 
 
 # ----- rerank -------------------------------------------------------------------------
@@ -238,7 +252,12 @@ async def _chat_model_scores(
 
         def render() -> tuple[list[list[int]], list[int], list[int]]:
             yes, no = answer_token_ids(tokenizer)
-            return [prompt_ids(tokenizer, body.query, d, body.instruction) for d in docs], yes, no
+            fmt = is_trained_reranker(engine.model_id)
+            prompts = [
+                prompt_ids(tokenizer, body.query, d, body.instruction, reranker_format=fmt)
+                for d in docs
+            ]
+            return prompts, yes, no
 
         try:
             prompts, yes, no = await asyncio.to_thread(render)
