@@ -307,6 +307,11 @@ class PrefixCache(PrefixCacheHooks):
             else:
                 c.misses += 1
 
+    def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        """Store right after prefill only when at least a block's worth was computed: then the
+        copy is small next to the prefill; short prompts are stored when they finish."""
+        return prompt_tokens - cached_tokens >= self.B
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         self.prefill_rate.observe(tokens, seconds)
 

@@ -44,6 +44,10 @@ class PrefixCacheHooks:
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
         return None
 
+    def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
+        """Whether a just-prefilled prompt has new full blocks worth extracting now."""
+        return False
+
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """Measured recompute speed, for restore-or-recompute decisions."""
         return None
@@ -321,6 +325,8 @@ class LLMEngine:
                 self.prefix_cache.observe_prefill(
                     state.prompt_len - state.cached_tokens, time.perf_counter() - state.start
                 )
+                if not self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
+                    continue
                 cache_and_tokens = self._bg.extract_cache([pr.uid]).get(pr.uid)
                 if cache_and_tokens is not None:
                     self._store(list(cache_and_tokens[1]), cache_and_tokens[0], final=False)
