@@ -43,6 +43,27 @@ class ModelNotFoundError(OMLXError):
         )
 
 
+class PermissionDeniedError(OMLXError):
+    """Authenticated, but this credential may not do this (403)."""
+
+    status = 403
+    error_type = "permission_error"
+
+
+class ConflictError(OMLXError):
+    """The request conflicts with the current state, e.g. a task already running (409)."""
+
+    status = 409
+    error_type = "conflict_error"
+
+
+class UpstreamError(OMLXError):
+    """A service we depend on (the model hub) failed or could not be reached (502)."""
+
+    status = 502
+    error_type = "upstream_error"
+
+
 class NotFoundError(OMLXError):
     status = 404
     error_type = "not_found_error"

@@ -48,7 +48,12 @@ SETTINGS: tuple[Setting, ...] = (
         "model_dir", Path, None, "Folder scanned for models.", default_doc="$OMLX_HOME/models"
     ),
     Setting("model", str, None, "Model id to load at start (default: load on first request)."),
-    Setting("api_key", str, None, "Require this key (Bearer or x-api-key) on every /v1 route."),
+    Setting(
+        "api_key",
+        str,
+        None,
+        "Require this key (Bearer or x-api-key) on /v1 and /api routes; the /admin dashboard asks for it at login.",
+    ),
     Setting(
         "max_concurrent_requests", int, 8, "Sequences decoded together per model.", minimum=1
     ),
@@ -118,6 +123,13 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("hot_cache_only", bool, False, "Keep the prefix cache in memory only (no SSD tier)."),
     Setting("no_cache", bool, False, "Disable the prefix cache entirely."),
+    Setting(
+        "hf_endpoint",
+        str,
+        None,
+        "Hugging Face hub URL for model downloads (a mirror); HF_ENDPOINT is honoured too.",
+        default_doc="https://huggingface.co",
+    ),
     Setting(
         "log_level",
         str,

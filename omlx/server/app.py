@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 
 from omlx import __version__
+from omlx.admin import install_admin, shutdown_admin
+from omlx.admin.metrics import RequestMetrics
 from omlx.api.responses_models import ResponseStore
 from omlx.cache.prefix_cache import CacheStore, make_prefix_cache
 from omlx.cache.setup import build_cache_store
@@ -24,7 +27,7 @@ from omlx.pool.memory import memory_limit_total
 from omlx.pool.model_settings import ModelSettings
 from omlx.server.admin_routes import router as admin_router
 from omlx.server.anthropic_routes import router as anthropic_router
-from omlx.server.auth import require_api_key
+from omlx.server.auth import require_admin, require_api_key
 from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
 from omlx.server.openai_chat import router as openai_chat_router
@@ -35,7 +38,9 @@ from omlx.settings import Settings
 log = logging.getLogger("omlx.server")
 
 
-def llm_factory(settings: Settings, store: CacheStore | None) -> EngineFactory:
+def llm_factory(
+    settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
+) -> EngineFactory:
     def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
         return LLMEngine(
             info.id,
@@ -44,14 +49,17 @@ def llm_factory(settings: Settings, store: CacheStore | None) -> EngineFactory:
             max_waiting=settings.max_waiting_requests,
             prefill_step_size=settings.prefill_step_size,
             prefix_cache_factory=None if store is None else (lambda loaded: make_prefix_cache(store, loaded)),
+            on_finished=on_finished,
         )
 
     return make
 
 
-def engine_factories(settings: Settings, store: CacheStore | None) -> dict[str, EngineFactory]:
+def engine_factories(
+    settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
+) -> dict[str, EngineFactory]:
     """One factory per model type; the pool routes each model to its engine kind."""
-    return {"llm": llm_factory(settings, store), **encoder_factories(settings)}
+    return {"llm": llm_factory(settings, store, on_finished), **encoder_factories(settings)}
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -60,7 +68,8 @@ def create_app(settings: Settings) -> FastAPI:
         max_memory = parse_size(settings.max_model_memory, total=memory_limit_total())
     except ValueError as exc:
         raise ConfigError(f"Invalid value for max_model_memory: {exc}") from None
-    pool = EnginePool(settings, engine_factories(settings, store), max_memory=max_memory)
+    metrics = RequestMetrics()
+    pool = EnginePool(settings, engine_factories(settings, store, metrics.record), max_memory=max_memory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,6 +78,7 @@ def create_app(settings: Settings) -> FastAPI:
             log.info("preloading model %s", settings.model)
             await pool.load(settings.model)
         yield
+        shutdown_admin(app)
         pool.shutdown()
         if store is not None:
             store.close()
@@ -79,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.cache = store
     app.state.responses = ResponseStore()
     app.state.started = time.time()
+    app.state.metrics = metrics
     install_error_handlers(app)
 
     @app.get("/health")
@@ -90,7 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def root() -> dict[str, str]:
         return {"name": "oMLX", "version": __version__}
 
-    @app.get("/api/status", dependencies=[Depends(require_api_key)])
+    @app.get("/api/status", dependencies=[Depends(require_admin)])
     async def status(request: Request) -> dict[str, Any]:
         models = request.app.state.pool.status()
         return {
@@ -101,10 +112,11 @@ def create_app(settings: Settings) -> FastAPI:
             "models": models,
         }
 
-    app.include_router(admin_router, dependencies=[Depends(require_api_key)])
+    app.include_router(admin_router, dependencies=[Depends(require_admin)])
     app.include_router(openai_chat_router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     app.include_router(embedding_router, dependencies=[Depends(require_api_key)])
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
     app.include_router(responses_router, dependencies=[Depends(require_api_key)])
+    install_admin(app)
     return app

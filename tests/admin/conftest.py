@@ -1,0 +1,56 @@
+"""Fixtures for the dashboard tests: a loopback Hugging Face hub, writable model dirs, servers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.admin.fake_hub import FakeHub
+from tests.support.server import ServerProcess
+
+API_KEY = "admin-test-key-123"
+HUB_REPO = "test-org/tiny-llama-mlx"
+BIG_REPO = "test-org/big-model"
+
+
+@pytest.fixture(scope="module")
+def fake_hub(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A hub serving the tiny model as `test-org/tiny-llama-mlx`, plus a repo oMLX cannot load."""
+    hub = FakeHub(chunk_size=256 * 1024).start()
+    hub.add_repo(HUB_REPO, tiny_model_dir / "tiny-llama")
+    torch_only = tmp_path_factory.mktemp("torch-only")
+    (torch_only / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (torch_only / "pytorch_model.bin").write_bytes(b"\0" * 1024)
+    hub.add_repo("test-org/torch-only", torch_only, tags=["pytorch"])
+    # Big enough to watch: huggingface_hub writes to disk in 10 MB pieces.
+    big = tmp_path_factory.mktemp("big") / "big-model"
+    shutil.copytree(tiny_model_dir / "tiny-llama", big)
+    (big / "padding.dat").write_bytes(b"\0" * (24 << 20))
+    hub.add_repo(BIG_REPO, big)
+    yield hub
+    hub.stop()
+
+
+def writable_model_dir(tiny_model_dir: Path, root: Path) -> Path:
+    """A model dir of our own (tests download into it and delete from it)."""
+    models = root / "models"
+    shutil.copytree(tiny_model_dir / "tiny-llama", models / "tiny-llama")
+    return models
+
+
+def start_server(home: Path, models: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    server = ServerProcess(home, ["--model-dir", str(models), *args], env=env)
+    server.start()
+    return server
+
+
+def login(base_url: str, key: str = API_KEY) -> httpx.Client:
+    """An httpx client holding a dashboard session, sending the dashboard's header."""
+    client = httpx.Client(base_url=base_url, headers={"X-OMLX-Admin": "1"}, timeout=60)
+    r = client.post("/api/auth/login", json={"api_key": key})
+    assert r.status_code == 200, r.text
+    return client

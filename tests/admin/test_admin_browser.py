@@ -1,0 +1,253 @@
+"""The dashboard end to end in a real headless Chromium (Debian's `chromium`, driven by Playwright).
+
+One server with an API key, a model dir of its own and the loopback hub; one browser page
+walks through login, models, chat, settings, downloads, benchmark and logs, taking a
+screenshot of each page (kept in the test's tmp dir and copied to /tmp/omlx-screens/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.admin.conftest import API_KEY, HUB_REPO, start_server, writable_model_dir
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENS_COPY = Path("/tmp/omlx-screens")
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium; scripts/setup.sh does it as root)",
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, fake_hub, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("admin-ui")
+    models = writable_model_dir(tiny_model_dir, root)
+    srv = start_server(root / "home", models, "--api-key", API_KEY, env={"OMLX_HF_ENDPOINT": fake_hub.url})
+    yield srv
+    srv.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run"],
+        )
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def screens(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("screens")
+    yield folder
+    SCREENS_COPY.mkdir(parents=True, exist_ok=True)
+    for png in folder.glob("*.png"):
+        shutil.copy(png, SCREENS_COPY / png.name)
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1360, "height": 860})
+    p = context.new_page()
+    p.set_default_timeout(30_000)
+    p.problems = []  # console errors, CSP violations, failed requests to other hosts
+    p.on("console", lambda m: p.problems.append(m.text) if m.type == "error" else None)
+    p.on("pageerror", lambda e: p.problems.append(str(e)))
+    p.on("request", lambda r: p.problems.append(f"external request {r.url}")
+         if not r.url.startswith((server.base_url, "data:")) else None)
+    yield p
+    context.close()
+
+
+def shot(page, screens: Path, name: str) -> None:
+    page.wait_for_timeout(300)  # let bars and toasts settle
+    page.screenshot(path=str(screens / f"{name}.png"), full_page=False)
+
+
+def go(page, server, name: str) -> None:
+    page.goto(f"{server.base_url}/admin#/{name}")
+    page.wait_for_selector(f"#view[data-page='{name}']")
+
+
+def test_01_login_is_required_and_works(page, server, screens):
+    page.goto(server.base_url + "/admin")
+    page.wait_for_selector("#login-form")
+    assert page.is_visible("#login") and not page.is_visible("#shell")
+    shot(page, screens, "01-login")
+    page.fill("#login-key", "wrong-key")
+    page.click("#login-submit")
+    page.wait_for_selector("#login-error:has-text('not right')")
+    page.fill("#login-key", API_KEY)
+    page.click("#login-submit")
+    page.wait_for_selector("#shell:not(.hidden)")
+    page.wait_for_selector(".card-value")
+    cookie = next(c for c in page.context.cookies() if c["name"] == "omlx_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert page.evaluate("document.cookie") == ""  # invisible to scripts
+    page.wait_for_selector("text=Cache hit rate")
+    shot(page, screens, "02-overview")
+
+
+def test_02_load_a_model_and_edit_its_settings(page, server, screens):
+    go(page, server, "models")
+    row = page.locator("tr[data-model='tiny-llama']")
+    row.locator("[data-action=load]").click()
+    row.locator("text=loaded").wait_for()
+    row.locator("[data-action=unload]").wait_for()
+    shot(page, screens, "03-models")
+    row.locator("[data-action=settings]").click()
+    page.fill("input[name=temperature]", "0.3")
+    page.fill("input[name=aliases]", "tiny, small-*")
+    shot(page, screens, "04-model-settings")
+    page.click("[data-action=save-model-settings]")
+    page.wait_for_selector(".modal", state="detached")
+    settings = json.loads((server.home / "model_settings.json").read_text())
+    assert settings["tiny-llama"]["temperature"] == 0.3
+    assert settings["tiny-llama"]["aliases"] == ["tiny", "small-*"]
+    # Pin via the switch.
+    row.locator(".switch span").click()
+    page.wait_for_selector(".toast:has-text('pinned')")
+    assert json.loads((server.home / "model_settings.json").read_text())["tiny-llama"]["pinned"] is True
+
+
+def test_03_chat_streams_an_answer_with_stats_and_can_stop(page, server, screens):
+    go(page, server, "chat")
+    page.select_option("select[name=model]", "tiny-llama")
+    page.fill("textarea[name=system]", "You are terse.")
+    page.fill("input[name=max_tokens]", "40")
+    page.dispatch_event("input[name=max_tokens]", "change")
+    page.fill("textarea[name=prompt]", "Write **bold** text and a `code` span.")
+    page.click("[data-action=send]")
+    answer = page.locator(".msg.assistant").last
+    answer.locator(".meta:has-text('tok/s')").wait_for()
+    meta = answer.locator(".meta").inner_text()
+    assert re.match(r"\d+ tokens · [\d.]+ tok/s · TTFT \d+ ms · 0 of \d+ prompt tokens cached", meta), meta
+    assert answer.locator(".bubble").inner_text().strip()
+    assert page.locator(".msg.user .bubble").first.inner_text() == "Write **bold** text and a `code` span."
+    # A second turn resends the first: the prefix cache restores it.
+    page.fill("textarea[name=prompt]", "And again.")
+    page.click("[data-action=send]")
+    page.locator(".msg.assistant").nth(1).locator(".meta:has-text('tok/s')").wait_for()
+    second = page.locator(".msg.assistant").nth(1).locator(".meta").inner_text()
+    assert not second.startswith("0 of") and " of " in second
+    shot(page, screens, "05-chat")
+    # Stop: a long prompt and answer, aborted at once; the server cancels the request.
+    page.click("[data-action=new-chat]")
+    page.fill("textarea[name=system]", "You are terse and precise. " * 50)
+    page.fill("input[name=max_tokens]", "1900")
+    page.dispatch_event("input[name=max_tokens]", "change")
+    page.fill("textarea[name=prompt]", "Go on for a long time.")
+    page.click("[data-action=send]")
+    page.click("[data-action=stop]", timeout=5000)
+    page.locator(".msg.assistant .meta:has-text('stopped')").wait_for()
+    assert page.is_visible("[data-action=send]") and not page.is_visible("[data-action=stop]")
+    for _ in range(100):
+        if "finish=cancelled" in server.log():
+            break
+        page.wait_for_timeout(100)
+    assert "finish=cancelled" in server.log()
+
+
+def test_04_markdown_escapes_html_and_highlights_code(page, server):
+    html = page.evaluate("Markdown.render('<img src=x onerror=alert(1)> **b** `c`\\n\\n```python\\ndef f(x):\\n    return \"s\"  # c\\n```')")
+    assert "<img" not in html and "&lt;img" in html
+    assert "<strong>b</strong>" in html and "<code>c</code>" in html
+    assert '<span class="tok-kw">def</span>' in html and '<span class="tok-str">&quot;s&quot;</span>' in html
+    assert '<span class="tok-com"># c</span>' in html
+    assert page.evaluate("Markdown.render('[x](javascript:alert(1))')").find("<a") == -1
+
+
+def test_05_settings_persist_after_reload(page, server, screens):
+    go(page, server, "settings")
+    row = page.locator("[data-setting=default_max_tokens]")
+    row.locator("input").fill("333")
+    page.locator("[data-setting=cache_block_size] input").fill("128")
+    page.click("[data-action=save-settings]")
+    page.wait_for_selector(".notice.warn:has-text('cache_block_size')")
+    on_disk = json.loads((server.home / "settings.json").read_text())
+    assert on_disk["default_max_tokens"] == 333 and on_disk["cache_block_size"] == 128
+    page.reload()
+    page.wait_for_selector("[data-setting=default_max_tokens] input")
+    assert page.input_value("[data-setting=default_max_tokens] input") == "333"
+    assert page.input_value("[data-setting=cache_block_size] input") == "128"
+    assert "restart pending" in page.locator("[data-setting=cache_block_size]").inner_text()
+    # A sub-key, shown once.
+    page.fill("input[name=key_name]", "laptop")
+    page.click("[data-action=create-key]")
+    key = page.locator("[data-new-key]").inner_text()
+    assert key.startswith("omlx-sk-")
+    shot(page, screens, "07-new-key")
+    page.locator(".modal .btn:has-text('Close')").last.click()
+    page.wait_for_selector("td:has-text('laptop')")
+    page.locator("[data-setting=default_max_tokens]").scroll_into_view_if_needed()
+    page.evaluate("window.scrollTo(0, 0)")
+    shot(page, screens, "06-settings")
+
+
+def test_06_download_from_the_loopback_hub(page, server, screens):
+    go(page, server, "downloads")
+    page.fill("input[name=q]", "tiny")
+    page.click("[data-action=search]")
+    result = page.locator(f"tr[data-repo='{HUB_REPO}']")
+    result.wait_for()
+    result.locator("[data-action=download]").click()
+    page.locator("tr[data-job][data-state=completed]").wait_for(timeout=120_000)
+    assert "100%" in page.locator("tr[data-job]").first.inner_text() or "9.4 MB" in page.locator("tr[data-job]").first.inner_text()
+    shot(page, screens, "08-downloads")
+    go(page, server, "models")
+    page.locator(f"tr[data-model='{HUB_REPO}']").wait_for()
+
+
+def test_07_benchmark_runs_cold_then_warm(page, server, screens):
+    go(page, server, "bench")
+    page.select_option("select[name=model]", "tiny-llama")
+    page.fill("input[name=prompt_tokens]", "300")
+    page.fill("input[name=max_tokens]", "16")
+    page.fill("input[name=concurrency]", "2")
+    page.click("[data-action=run]")
+    page.wait_for_selector("#view .badge:has-text('completed')", timeout=120_000)
+    table = page.locator("table[data-results]")
+    table.locator("td:has-text('Time to first token (avg)')").wait_for()
+    text = table.inner_text()
+    assert "warm (cached)" in text.lower() and "×" in text and "598 of 600" in text
+    shot(page, screens, "09-bench")
+
+
+def test_08_logs_tail_and_overview(page, server, screens):
+    go(page, server, "logs")
+    page.wait_for_selector(".logline:has-text('benchmark')")
+    page.select_option("select[name=level]", "WARNING")
+    page.select_option("select[name=level]", "DEBUG")
+    shot(page, screens, "10-logs")
+    go(page, server, "overview")
+    page.wait_for_selector("td:has-text('All models')")
+    assert "tiny-llama" in page.locator("#view").inner_text()
+    shot(page, screens, "02-overview-after")
+
+
+def test_09_no_console_errors_and_nothing_fetched_from_outside(page):
+    # The one expected error: the browser logs the 401 of the deliberate wrong login.
+    problems = [p for p in page.problems if "status of 401" not in p]
+    assert problems == []
+    assert len(page.problems) - len(problems) <= 1
+
+
+def test_10_sign_out(page, server):
+    page.click("#logout")
+    page.wait_for_selector("#login:not(.hidden)")
+    page.goto(server.base_url + "/admin#/settings")
+    page.wait_for_selector("#login-form")
+    assert not page.is_visible("#shell")
