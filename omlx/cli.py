@@ -47,8 +47,10 @@ def _serve_signature() -> inspect.Signature:
 
 def serve(**cli: Any) -> None:
     """Start the HTTP server (provisions the default model when the model dir is empty)."""
-    from omlx.platform_info import maybe_reexec_with_openblas
+    from omlx.platform_info import maybe_reexec_with_openblas, missing_backend
 
+    if problem := missing_backend():
+        fail(problem)
     maybe_reexec_with_openblas()
     try:
         settings = load_settings(cli)
@@ -68,8 +70,10 @@ def diagnose(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Print platform, MLX, device, memory, directories and discovered models."""
-    from omlx.platform_info import BLAS_HINT, maybe_reexec_with_openblas, platform_summary
+    from omlx.platform_info import BLAS_HINT, maybe_reexec_with_openblas, missing_backend, platform_summary
 
+    if problem := missing_backend():
+        fail(problem)
     maybe_reexec_with_openblas()
     try:
         settings = load_settings()

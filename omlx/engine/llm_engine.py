@@ -344,7 +344,10 @@ class LLMEngine:
     def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
         """Caching is an optimisation: its failure is logged, never fails the request."""
         try:
-            self.prefix_cache.store(tokens, cache, final=final)
+            # On the generation stream: the cache arrays come from it, and evaluating them on
+            # another stream while its next step is in flight hangs MLX's CUDA backend.
+            with mx.stream(self._bg.stream):
+                self.prefix_cache.store(tokens, cache, final=final)
         except Exception:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
 

@@ -62,7 +62,7 @@ def run_server(settings: Settings) -> None:
     configure_logging(settings.log_level)
     prepare_model_dir(settings)
     from omlx.models.loader import resolve_compute_dtype
-    from omlx.platform_info import BLAS_HINT, blas_in_use, device_info
+    from omlx.platform_info import BLAS_HINT, blas_in_use, cuda_backend_problem, device_info
     from omlx.server.app import create_app
 
     dev = device_info()
@@ -70,7 +70,9 @@ def run_server(settings: Settings) -> None:
     log.info(
         "device=%s compute_dtype=%s blas=%s", dev["device"], resolve_compute_dtype(settings.compute_dtype), blas
     )
-    if dev["type"] == "cpu" and sys.platform == "linux" and "OpenBLAS" not in blas:
+    if dev["type"] == "cpu" and (problem := cuda_backend_problem()):
+        log.warning(problem)
+    elif dev["type"] == "cpu" and sys.platform == "linux" and "OpenBLAS" not in blas:
         log.warning(BLAS_HINT)
     if not settings.api_key and settings.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("No API key is set and the server binds %s: anyone who can reach it can use it.", settings.host)

@@ -1,0 +1,1037 @@
+#!/usr/bin/env python
+"""oMLX on MLX's CUDA backend vs raw mlx-lm, on random-weight models of real architectures.
+
+Everything runs in one process tree on the GPU machine, in one run: the models are built
+on the device (random weights in bf16, real Llama-3.2-1B / Llama-3.1-8B shapes, a small
+synthetic BPE tokenizer), `omlx serve` runs as subprocesses, raw mlx-lm runs in this
+process (only while the servers are idle), and a pool of client processes streams the
+HTTP requests. Parts (see benchmarks/gpu/README.md):
+
+  a  batch-1 decode tok/s: oMLX (streamed /v1/completions) vs `mlx_lm.stream_generate`
+  b  N concurrent streams, aggregate tok/s: oMLX vs raw `BatchGenerator`
+  c  TTFT of long prompts: --no-cache, cache miss, hot-tier restore, SSD restore after a
+     restart (page cache dropped), and the tiers' restore bandwidth
+  d  batch-1 decode as a fraction of the HBM floor (bytes read per step / copy bandwidth)
+  e  host<->device copy bandwidth through MLX (and PyTorch for reference)
+
+Usage (on the GPU machine, see README): python benchmarks/gpu/bench_gpu.py --shape llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+import httpx  # noqa: E402
+import sse_client  # noqa: E402
+
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    # config.json values of meta-llama/Llama-3.2-1B-Instruct and Llama-3.1-8B-Instruct
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={"factor": 32.0, **LLAMA3_ROPE},
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={"factor": 8.0, **LLAMA3_ROPE},
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+    # for a smoke run of this script on a CPU
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        max_position_embeddings=65536,
+        rms_norm_eps=1e-5,
+    ),
+}
+
+PERF = time.perf_counter
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- models
+def build_model(models_root: Path, shape: str) -> Path:
+    """A random-weight bf16 model folder that `mlx_lm.load` and `omlx serve` accept."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_model
+
+    from tests.support.tiny_model import build_tokenizer
+
+    out = models_root / shape
+    if (out / "config.json").exists():
+        return out
+    tic = PERF()
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)  # 512-token BPE; ids past it detokenize to "!" (mlx-lm's fallback)
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc["model_max_length"] = SHAPES[shape]["max_position_embeddings"]
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        **SHAPES[shape],
+        "eos_token_id": 2,
+        "bos_token_id": None,
+        "torch_dtype": "bfloat16",
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    save_model(out, model)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    del model
+    mx.clear_cache()
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    log(f"built {shape}: {size / 1e9:.2f} GB of bf16 weights in {PERF() - tic:.1f} s")
+    return out
+
+
+def weight_read_bytes(model: Any) -> tuple[int, int]:
+    """(parameter bytes, bytes a decode step reads): an untied embedding is only gathered."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))
+    total = sum(v.nbytes for v in params.values())
+    tied = "lm_head.weight" not in params
+    embed = params["model.embed_tokens.weight"].nbytes
+    return total, total if tied else total - embed
+
+
+# ----------------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, label: str, models_root: Path, model: str, home: Path, extra: list[str]):
+        self.label, self.models_root, self.model, self.home, self.extra = (
+            label,
+            models_root,
+            model,
+            home,
+            extra,
+        )
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.starts += 1
+        env = {**os.environ, "OMLX_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "omlx",
+            "serve",
+            "--port",
+            str(self.port),
+            "--model-dir",
+            str(self.models_root),
+            "--model",
+            self.model,
+            *self.extra,
+        ]
+        self._log = open(self.home / f"server-{self.starts}.log", "ab")
+        self.proc = subprocess.Popen(
+            cmd, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        tic = PERF()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.label} exited {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                r = httpx.get(f"{self.url}/v1/models/status", timeout=2)
+                if r.status_code == 200 and any(
+                    m.get("state") in ("loaded", "serving") for m in r.json().get("data", [])
+                ):
+                    return PERF() - tic
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.label} did not load its model:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        try:
+            return (self.home / f"server-{self.starts}.log").read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def cache_stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/api/cache/stats", timeout=10).json()
+
+    def wait_ssd_writes(self, timeout: float = 120) -> None:
+        """Until the SSD writer's queue is empty and the block count stops moving."""
+        deadline, last = time.time() + timeout, None
+        while time.time() < deadline:
+            stats = self.cache_stats()
+            ssd = stats.get("ssd") or next(iter(stats.get("stores", {}).values()), {}).get(
+                "ssd", {}
+            )
+            now = (ssd.get("queue_depth"), ssd.get("blocks"), ssd.get("writes"))
+            if now[0] == 0 and now == last:
+                return
+            last = now
+            time.sleep(1.0)
+
+
+# ----------------------------------------------------------------------------- workload
+class Workload:
+    def __init__(self, model_name: str, eos: list[int], seed: int = 1234):
+        self.model_name = model_name
+        self.eos = eos
+        self.rng = random.Random(seed)
+
+    def prompt(self, n: int) -> list[int]:
+        # ids of the 512-token tokenizer's regular vocabulary (0..2 are its special tokens)
+        return [self.rng.randrange(3, 512) for _ in range(n)]
+
+    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logit_bias": {str(e): -100 for e in self.eos},
+        }
+
+
+def decode_rate(times: list[float]) -> float:
+    return (
+        (len(times) - 1) / (times[-1] - times[0])
+        if len(times) > 1 and times[-1] > times[0]
+        else 0.0
+    )
+
+
+REQUEST_TIMEOUT = 180.0  # --request-timeout
+
+
+def one(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    with httpx.Client(timeout=REQUEST_TIMEOUT) as c:
+        return sse_client.stream_completion(c, url, body, timeout=REQUEST_TIMEOUT)
+
+
+def ttft(url: str, body: dict[str, Any]) -> tuple[float, int]:
+    rec = one(url, body)
+    first = rec["times"][0] if rec["times"] else rec["done"]
+    return first - rec["sent"], rec["cached_tokens"]
+
+
+# ----------------------------------------------------------------------------- raw mlx-lm
+def logits_procs(eos: list[int]) -> list[Any]:
+    from mlx_lm.sample_utils import make_logits_processors
+
+    return make_logits_processors(logit_bias={e: -100.0 for e in eos})
+
+
+def raw_decode(
+    model: Any, tokenizer: Any, prompt: list[int], n: int, eos: list[int]
+) -> dict[str, float]:
+    from mlx_lm.generate import stream_generate
+
+    sent = PERF()
+    times = []
+    for _ in stream_generate(
+        model, tokenizer, prompt=prompt, max_tokens=n, logits_processors=logits_procs(eos)
+    ):
+        times.append(PERF())
+    return {"tps": decode_rate(times), "ttft": times[0] - sent, "tokens": len(times)}
+
+
+def raw_batch_decode(model: Any, prompt: list[int], n: int, eos: list[int]) -> float:
+    """Batch-1 decode tok/s through `BatchGenerator` (the engine oMLX drives), no server."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    bg = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=1, prefill_batch_size=1)
+    bg.insert([prompt], max_tokens=[n], logits_processors=[logits_procs(eos)])
+    times: list[float] = []
+    done = False
+    while not done:
+        _, gen = bg.next()
+        for r in gen:
+            times.append(PERF())
+            done = r.finish_reason is not None
+    bg.close()
+    mx.clear_cache()
+    return decode_rate(times)
+
+
+def raw_batch(
+    model: Any,
+    prompts: list[list[int]],
+    n: int,
+    eos: list[int],
+    prefill_step: int,
+    with_procs: bool = True,
+) -> dict[str, float]:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    s = len(prompts)
+    bg = BatchGenerator(
+        model,
+        stop_tokens=[[e] for e in eos],
+        completion_batch_size=s,
+        prefill_batch_size=min(8, s),
+        prefill_step_size=prefill_step,
+    )
+    procs = logits_procs(eos) if with_procs else []
+    t0 = PERF()
+    bg.insert(prompts, max_tokens=[n] * s, logits_processors=[procs] * s)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    stamps: list[float] = []
+    finished = 0
+    while finished < s:
+        _, gen = bg.next()
+        now = PERF()
+        for r in gen:
+            stamps.append(now)
+            first.setdefault(r.uid, now)
+            last[r.uid] = now
+            if r.finish_reason is not None:
+                finished += 1
+    t_end = PERF()
+    bg.close()
+    mx.clear_cache()
+    return summarize_streams(
+        t0, t_end, len(stamps), list(first.values()), list(last.values()), stamps
+    )
+
+
+def summarize_streams(
+    t0: float,
+    t_end: float,
+    total: int,
+    firsts: list[float],
+    lasts: list[float],
+    stamps: list[float],
+) -> dict[str, float]:
+    lo, hi = max(firsts), min(lasts)
+    steady = sum(1 for t in stamps if lo < t <= hi) / (hi - lo) if hi > lo else 0.0
+    return {
+        "aggregate_tps": total / (t_end - t0),
+        "steady_tps": steady,
+        "tokens": total,
+        "wall_s": t_end - t0,
+        "mean_ttft": statistics.mean(f - t0 for f in firsts),
+    }
+
+
+def server_batch(
+    pool: ProcessPoolExecutor, url: str, bodies: list[dict[str, Any]], groups: int
+) -> dict[str, float]:
+    start_at = PERF() + 0.5
+    parts = [bodies[i::groups] for i in range(groups) if bodies[i::groups]]
+    futures = [pool.submit(sse_client.stream_group, url, p, start_at, REQUEST_TIMEOUT) for p in parts]
+    recs = [r for f in futures for r in f.result()]
+    errors = [r["error"] for r in recs if "error" in r]
+    if errors:
+        raise RuntimeError(f"{len(errors)} streams failed: {errors[:3]}")
+    total = sum(r["completion_tokens"] for r in recs)
+    stamps = [t for r in recs for t in r["times"]]
+    return summarize_streams(
+        start_at,
+        max(r["done"] for r in recs),
+        total,
+        [r["times"][0] for r in recs],
+        [r["times"][-1] for r in recs],
+        stamps,
+    )
+
+
+# ----------------------------------------------------------------------------- profiling
+def dump_servers(exe: str | None, servers: list[Any]) -> None:
+    """Python stacks of every live server (a hung request shows up as a timeout)."""
+    if not exe:
+        return
+    for s in servers:
+        if s.proc is not None and s.proc.poll() is None:
+            out = subprocess.run([exe, "dump", "--pid", str(s.proc.pid)], capture_output=True, text=True, timeout=60)
+            log(f"py-spy dump of {s.label}:\n{out.stdout[-6000:]}{out.stderr[-500:]}")
+
+
+class PySpy:
+    """`py-spy record` on a server process while a measurement runs (raw collapsed stacks)."""
+
+    def __init__(self, exe: str | None, out: Path | None):
+        self.exe, self.out, self.proc = exe, out, None
+
+    def start(self, pid: int, name: str, seconds: int) -> None:
+        if not self.exe or not self.out:
+            return
+        self.proc = subprocess.Popen(
+            [
+                self.exe,
+                "record",
+                "-p",
+                str(pid),
+                "-r",
+                "200",
+                "-d",
+                str(seconds),
+                "--threads",
+                "--nonblocking",
+                "-f",
+                "raw",
+                "-o",
+                str(self.out / f"pyspy-{name}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+            try:
+                _, err = self.proc.communicate(timeout=60)
+                if self.proc.returncode not in (0, None) and err:
+                    log(f"py-spy: {err.decode(errors='replace')[-300:]}")
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+
+
+# ----------------------------------------------------------------------------- device micro
+def device_bandwidths(tmp: Path) -> dict[str, float]:
+    """HBM copy bandwidth and host<->device copies through MLX (and PyTorch, for reference)."""
+    import mlx.core as mx
+    import numpy as np
+
+    out: dict[str, float] = {}
+    gib = 1 << 30
+    n = gib  # 2 GiB of bf16
+    x = mx.random.uniform(shape=(n,)).astype(mx.bfloat16)
+    mx.eval(x)
+    for _ in range(3):
+        x = x + 1
+        mx.eval(x)
+    iters = 20
+    tic = PERF()
+    for _ in range(iters):
+        x = x + 1
+        mx.eval(x)
+    dt = PERF() - tic
+    out["hbm_copy_GBps"] = iters * 2 * x.nbytes / dt / 1e9  # read + write
+    del x
+    mx.clear_cache()
+
+    host = np.random.randint(0, 65535, size=(gib // 2,), dtype=np.uint16)  # 1 GiB
+    res: dict[str, list[float]] = {
+        "h2d_mx_array": [],
+        "h2d_first_gpu_op": [],
+        "gpu_op_resident": [],
+        "d2h_np_array": [],
+    }
+    for _ in range(3):
+        tic = PERF()
+        a = mx.array(host)
+        mx.eval(a)
+        t1 = PERF()
+        b = a + 1
+        mx.eval(b)
+        t2 = PERF()
+        c = b + 1
+        mx.eval(c)
+        t3 = PERF()
+        back = np.array(c, copy=True)
+        t4 = PERF()
+        res["h2d_mx_array"].append(t1 - tic)
+        res["h2d_first_gpu_op"].append(t2 - t1)
+        res["gpu_op_resident"].append(t3 - t2)
+        res["d2h_np_array"].append(t4 - t3)
+        del a, b, c, back
+    for k, v in res.items():
+        out[f"{k}_GBps"] = host.nbytes / min(v) / 1e9
+    # numpy -> mx.array -> first use on the GPU, together: what a restore from host RAM pays
+    out["h2d_total_GBps"] = (
+        host.nbytes / (min(res["h2d_mx_array"]) + min(res["h2d_first_gpu_op"])) / 1e9
+    )
+    # mx.load of a safetensors file already in the page cache, then first GPU use
+    path = tmp / "h2d_probe.safetensors"
+    mx.save_safetensors(str(path), {"x": mx.array(host)})
+    loads = []
+    for _ in range(3):
+        tic = PERF()
+        t = mx.load(str(path))["x"]
+        mx.eval(t + 1)
+        loads.append(PERF() - tic)
+        del t
+    out["mx_load_pagecache_to_gpu_GBps"] = host.nbytes / min(loads) / 1e9
+    path.unlink()
+    mx.clear_cache()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            th = torch.from_numpy(host.view(np.int16))
+            pinned = th.pin_memory()
+            for label, src in (("torch_pageable_h2d_GBps", th), ("torch_pinned_h2d_GBps", pinned)):
+                ts = []
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    tic = PERF()
+                    src.to("cuda", non_blocking=label.startswith("torch_pinned"))
+                    torch.cuda.synchronize()
+                    ts.append(PERF() - tic)
+                out[label] = host.nbytes / min(ts) / 1e9
+            del pinned
+            torch.cuda.empty_cache()
+    except Exception as exc:  # reference only
+        log(f"torch reference skipped: {exc!r}")
+    return out
+
+
+def tier_bandwidths(cache_dir: Path, max_blocks: int, drop: bool) -> dict[str, float]:
+    """Read stored block files with oMLX's SSD tier (cold disk, then page cache) and move
+    them onto the GPU the way a restore does (concatenate per layer)."""
+    import mlx.core as mx
+
+    from omlx.cache.ssd_tier import SSDTier, read_header
+
+    files = sorted(cache_dir.rglob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
+    if not files:
+        return {}
+    fp = read_header(files[0])["fingerprint"]
+    picked = [f for f in files if read_header(f)["fingerprint"] == fp][:max_blocks]
+    keys = [f.stem for f in picked]
+    nbytes = sum(f.stat().st_size for f in picked)
+    out: dict[str, float] = {"blocks": len(keys), "bytes": nbytes}
+    for label, cold in (("disk", True), ("pagecache", False)):
+        if cold and not (drop and drop_page_cache()):
+            continue
+        tier = SSDTier(cache_dir, 1 << 40)
+        tier.wait_ready(60)
+        tic = PERF()
+        blocks = tier.get_many(keys, fp)
+        t_read = PERF() - tic
+        blocks = [b for b in blocks if b is not None]
+        tic = PERF()
+        layers = sorted({k.split(".")[0] for k in blocks[0].tensors}, key=int)
+        cat = [
+            mx.concatenate([b.tensors[f"{layer}.{kv}"] for b in blocks], axis=2)
+            for layer in layers
+            for kv in ("keys", "values")
+        ]
+        mx.eval(cat)
+        t_dev = PERF() - tic
+        out[f"ssd_read_{label}_GBps"] = nbytes / t_read / 1e9
+        out[f"to_device_{label}_GBps"] = nbytes / t_dev / 1e9
+        out[f"restore_{label}_GBps"] = nbytes / (t_read + t_dev) / 1e9
+        # the hot tier's restore: the same concatenation from blocks already on the device
+        dev = [{k: v + 0 for k, v in b.tensors.items()} for b in blocks]
+        mx.eval([t for d in dev for t in d.values()])
+        tic = PERF()
+        cat = [
+            mx.concatenate([d[f"{layer}.{kv}"] for d in dev], axis=2)
+            for layer in layers
+            for kv in ("keys", "values")
+        ]
+        mx.eval(cat)
+        out["hot_restore_GBps"] = nbytes / (PERF() - tic) / 1e9
+        tier.close()
+        del blocks, dev, cat
+        mx.clear_cache()
+    return out
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError as exc:
+        log(f"could not drop the page cache ({exc}); 'SSD' figures are page-cache reads")
+        return False
+
+
+# ----------------------------------------------------------------------------- the run
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--parts", default="a,b,c,d,e")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/omlx-bench-gpu"))
+    ap.add_argument(
+        "--out", type=Path, default=None, help="Folder for the JSON figures, logs and profiles."
+    )
+    ap.add_argument("--decode-tokens", type=int, default=512)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--stream-repeats", type=int, default=2)
+    ap.add_argument("--client-procs", type=int, default=8)
+    ap.add_argument("--ttft-lengths", default="8000,32000")
+    ap.add_argument(
+        "--new-tokens", type=int, default=64, help="Tokens appended to a cached prompt (c)."
+    )
+    ap.add_argument(
+        "--prefill-step-size",
+        type=int,
+        default=None,
+        help="Passed to omlx serve (default: its own).",
+    )
+    ap.add_argument("--server-args", default="", help="Extra flags for both servers.")
+    ap.add_argument("--request-timeout", type=float, default=180.0, help="Seconds before a request counts as hung.")
+    ap.add_argument(
+        "--py-spy", default=None, help="py-spy executable: profile the server during (a) and (b)."
+    )
+    args = ap.parse_args()
+    global REQUEST_TIMEOUT
+    REQUEST_TIMEOUT = args.request_timeout
+    faulthandler.dump_traceback_later(120, repeat=True)  # where a stuck run is stuck
+    parts = set(args.parts.split(","))
+    work = args.work_dir
+    out_dir = args.out or (work / "out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm import load
+
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "shape": args.shape,
+        "argv": sys.argv[1:],
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "device": str(mx.default_device()),
+        "device_info": {k: v for k, v in mx.device_info().items()}
+        if mx.default_device().type == mx.gpu
+        else {},
+    }
+    log(
+        f"device {results['device']} {results['device_info'].get('device_name', '')} mlx {mx.__version__}"
+    )
+    pool = ProcessPoolExecutor(args.client_procs, mp_context=mp.get_context("spawn"))
+    list(pool.map(sse_client.ping, range(args.client_procs * 2)))  # start the workers now
+
+    if "e" in parts or "d" in parts:
+        try:
+            results["device_bw"] = device_bandwidths(work)
+        except Exception:
+            results["e_error"] = traceback.format_exc()
+            log(results["e_error"])
+        log(
+            f"device bandwidths: {json.dumps({k: round(v, 1) for k, v in results.get('device_bw', {}).items()})}"
+        )
+
+    models_root = work / "models"
+    model_path = build_model(models_root, args.shape)
+    tic = PERF()
+    model, tokenizer = load(str(model_path))
+    results["raw_load_s"] = PERF() - tic
+    param_bytes, step_bytes = weight_read_bytes(model)
+    eos = sorted(set(tokenizer.eos_token_ids or []))
+    wl = Workload(args.shape, eos)
+    results.update(param_bytes=param_bytes, step_weight_bytes=step_bytes, eos=eos)
+
+    extra = args.server_args.split() if args.server_args else []
+    if args.prefill_step_size:
+        extra += ["--prefill-step-size", str(args.prefill_step_size)]
+    homes = work / "homes"
+    shutil.rmtree(homes, ignore_errors=True)
+    srv = Server(
+        "omlx",
+        models_root,
+        args.shape,
+        homes / "cache",
+        ["--max-concurrent-requests", str(args.streams), "--ssd-cache-max-size", "24GB", *extra],
+    )
+    servers = [srv]
+    nc = None
+    if "c" in parts:
+        nc = Server(
+            "omlx --no-cache",
+            models_root,
+            args.shape,
+            homes / "nocache",
+            ["--max-concurrent-requests", str(args.streams), "--no-cache", *extra],
+        )
+        servers.append(nc)
+    for s in servers:
+        s.start()
+    spy = PySpy(args.py_spy, out_dir)
+    try:
+        for s in servers:
+            results[f"server_load_s[{s.label}]"] = s.wait_ready()
+        log(f"servers up: {[s.url for s in servers]}")
+
+        # warm-up: kernels are compiled on first use (per process)
+        prompt_a = wl.prompt(args.prompt_tokens)
+        # full length: the KV cache grows in steps of 256, each new shape compiles once
+        warm_tokens = args.decode_tokens if ("a" in parts or "d" in parts) else 32
+        raw_decode(model, tokenizer, prompt_a, warm_tokens, eos)
+        if "a" in parts or "d" in parts:
+            raw_batch_decode(model, prompt_a, warm_tokens, eos)
+        log("raw warm")
+        if "b" in parts:
+            raw_batch(
+                model,
+                [wl.prompt(args.prompt_tokens) for _ in range(args.streams)],
+                8,
+                eos,
+                args.prefill_step_size or 512,
+            )
+        for s in servers:
+            one(s.url, wl.body(prompt_a, warm_tokens))
+            log(f"{s.label} warm (1 stream)")
+            if "b" in parts:
+                server_batch(
+                    pool,
+                    s.url,
+                    [wl.body(wl.prompt(args.prompt_tokens), 8) for _ in range(args.streams)],
+                    args.client_procs,
+                )
+        log("warm")
+
+        def save() -> None:
+            (out_dir / f"results-{args.shape}.json").write_text(
+                json.dumps(results, indent=2, default=str)
+            )
+
+        if "a" in parts or "d" in parts:
+            try:
+                rows = []
+                for r in range(args.repeats):
+                    raw = raw_decode(model, tokenizer, prompt_a, args.decode_tokens, eos)
+                    raw_bg = raw_batch_decode(model, prompt_a, args.decode_tokens, eos)
+                    if r == args.repeats - 1:
+                        spy.start(srv.proc.pid, f"{args.shape}-a", 120)
+                    rec = one(srv.url, wl.body(prompt_a, args.decode_tokens))
+                    spy.stop()
+                    ours = decode_rate(rec["times"])
+                    rows.append(
+                        {
+                            "raw_tps": raw["tps"],
+                            "raw_batchgen_tps": raw_bg,
+                            "omlx_tps": ours,
+                            "omlx_tokens": rec["completion_tokens"],
+                            "omlx_text_chunks": len(rec["times"]),
+                            "raw_ttft": raw["ttft"],
+                            "omlx_ttft": rec["times"][0] - rec["sent"],
+                        }
+                    )
+                    log(
+                        f"(a) round {r}: raw {raw['tps']:.1f} tok/s, raw BatchGenerator {raw_bg:.1f} tok/s, "
+                        f"omlx {ours:.1f} tok/s ({ours / raw['tps']:.3f}x)"
+                    )
+                best_raw = max(x["raw_tps"] for x in rows)
+                best_ours = max(x["omlx_tps"] for x in rows)
+                results["a"] = {
+                    "rounds": rows,
+                    "raw_tps": best_raw,
+                    "omlx_tps": best_ours,
+                    "raw_batchgen_tps": max(x["raw_batchgen_tps"] for x in rows),
+                    "ratio": best_ours / best_raw,
+                    "decode_tokens": args.decode_tokens,
+                    "prompt_tokens": args.prompt_tokens,
+                }
+                if "device_bw" in results:
+                    bw = results["device_bw"]["hbm_copy_GBps"] * 1e9
+                    kv_per_token = (
+                        2
+                        * SHAPES[args.shape]["num_hidden_layers"]
+                        * SHAPES[args.shape]["num_key_value_heads"]
+                        * SHAPES[args.shape].get(
+                            "head_dim",
+                            SHAPES[args.shape]["hidden_size"]
+                            // SHAPES[args.shape]["num_attention_heads"],
+                        )
+                        * 2
+                    )
+                    ctx = args.prompt_tokens + args.decode_tokens / 2
+                    floor = bw / (step_bytes + kv_per_token * ctx)
+                    results["d"] = {
+                        "hbm_GBps": bw / 1e9,
+                        "bytes_per_step": step_bytes + kv_per_token * ctx,
+                        "floor_tps": floor,
+                        "raw_fraction": best_raw / floor,
+                        "omlx_fraction": best_ours / floor,
+                    }
+                    log(
+                        f"(d) HBM floor {floor:.0f} tok/s: raw {best_raw / floor:.2f}, omlx {best_ours / floor:.2f}"
+                    )
+            except Exception:
+                dump_servers(args.py_spy, servers)
+                results["a_error"] = traceback.format_exc()
+                log(results["a_error"])
+            save()
+
+        if "b" in parts:
+            try:
+                rows = []
+                for r in range(args.stream_repeats):
+                    prompts = [wl.prompt(args.prompt_tokens) for _ in range(args.streams)]
+                    raw = raw_batch(
+                        model, prompts, args.stream_tokens, eos, args.prefill_step_size or 512
+                    )
+                    prompts = [wl.prompt(args.prompt_tokens) for _ in range(args.streams)]
+                    if r == args.stream_repeats - 1:
+                        spy.start(srv.proc.pid, f"{args.shape}-b", 120)
+                    ours = server_batch(
+                        pool,
+                        srv.url,
+                        [wl.body(p, args.stream_tokens) for p in prompts],
+                        args.client_procs,
+                    )
+                    spy.stop()
+                    rows.append({"raw": raw, "omlx": ours})
+                    log(
+                        f"(b) round {r}: raw {raw['aggregate_tps']:.0f} tok/s (steady {raw['steady_tps']:.0f}), "
+                        f"omlx {ours['aggregate_tps']:.0f} tok/s (steady {ours['steady_tps']:.0f}) "
+                        f"-> {ours['aggregate_tps'] / raw['aggregate_tps']:.3f}x"
+                    )
+                prompts = [wl.prompt(args.prompt_tokens) for _ in range(args.streams)]
+                raw_np = raw_batch(
+                    model,
+                    prompts,
+                    args.stream_tokens,
+                    eos,
+                    args.prefill_step_size or 512,
+                    with_procs=False,
+                )
+                best = lambda side, key: max(x[side][key] for x in rows)  # noqa: E731
+                results["b"] = {
+                    "rounds": rows,
+                    "streams": args.streams,
+                    "stream_tokens": args.stream_tokens,
+                    "raw_tps": best("raw", "aggregate_tps"),
+                    "omlx_tps": best("omlx", "aggregate_tps"),
+                    "raw_steady_tps": best("raw", "steady_tps"),
+                    "omlx_steady_tps": best("omlx", "steady_tps"),
+                    "raw_no_logits_processor_tps": raw_np["aggregate_tps"],
+                    "raw_no_logits_processor_steady_tps": raw_np["steady_tps"],
+                }
+                results["b"]["ratio"] = results["b"]["omlx_tps"] / results["b"]["raw_tps"]
+                results["b"]["steady_ratio"] = (
+                    results["b"]["omlx_steady_tps"] / results["b"]["raw_steady_tps"]
+                )
+                log(
+                    f"(b) raw without logits processors: {raw_np['aggregate_tps']:.0f} tok/s (steady {raw_np['steady_tps']:.0f})"
+                )
+            except Exception:
+                dump_servers(args.py_spy, servers)
+                results["b_error"] = traceback.format_exc()
+                log(results["b_error"])
+            save()
+
+        if "c" in parts:
+            results["c"] = {}
+            try:
+                part_c(args, wl, model, tokenizer, srv, nc, results["c"])
+            except Exception:
+                dump_servers(args.py_spy, servers)
+                results["c_error"] = traceback.format_exc()
+                log(results["c_error"])
+            save()
+    finally:
+        with open(out_dir / f"servers-{args.shape}.log", "w") as logs:
+            for s in servers:
+                s.stop()
+                for log_file in sorted(s.home.glob("server-*.log")):
+                    logs.write(
+                        f"===== {s.label}: {log_file.name}\n{log_file.read_text(errors='replace')}\n"
+                    )
+        pool.shutdown()
+    (out_dir / f"results-{args.shape}.json").write_text(json.dumps(results, indent=2, default=str))
+    print_table(results)
+
+
+def part_c(
+    args: Any, wl: Workload, model: Any, tokenizer: Any, srv: Server, nc: Server, c: dict[str, Any]
+) -> None:
+    lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
+    k = args.new_tokens
+    c.update({"lengths": lengths, "new_tokens": k, "rows": {}})
+    prompts: dict[int, dict[str, list[int]]] = {}
+    for n in lengths:
+        p = {name: wl.prompt(n) for name in ("warm", "pa", "pb")}
+        p.update({f"x{i}": wl.prompt(k) for i in range(1, 7)})
+        prompts[n] = p
+        row: dict[str, Any] = {}
+        raw_decode(model, tokenizer, p["warm"], 1, wl.eos)  # same shapes, so kernels are ready
+        row["raw_mlx_lm_ttft"] = raw_decode(model, tokenizer, p["pb"], 1, wl.eos)[
+            "ttft"
+        ]  # prefill step 2048
+        # warm both servers for this length: prefill shapes, then a restore of n + k tokens
+        for s in (nc, srv):
+            ttft(s.url, wl.body(p["warm"], 2))
+            ttft(s.url, wl.body(p["warm"] + p["x1"], 2))
+        row["nocache_cold"], _ = min(
+            ttft(nc.url, wl.body(p["pa"], 2)), ttft(nc.url, wl.body(p["pb"], 2))
+        )
+        row["cache_miss"], cached = ttft(srv.url, wl.body(p["pa"], 2))
+        row["cache_miss_b"], _ = ttft(srv.url, wl.body(p["pb"], 2))
+        row["nocache_extended"], _ = ttft(nc.url, wl.body(p["pa"] + p["x1"], 2))
+        h1, row["hot_cached_tokens"] = ttft(srv.url, wl.body(p["pa"] + p["x1"], 2))
+        h2, _ = ttft(srv.url, wl.body(p["pa"] + p["x2"], 2))
+        row["hot_restore"], row["hot_restore_first"] = min(h1, h2), h1
+        c["rows"][n] = row
+        log(
+            f"(c) {n} tokens: raw {row['raw_mlx_lm_ttft']:.3f}s  nocache {row['nocache_cold']:.3f}s  "
+            f"miss {row['cache_miss']:.3f}s  hot {row['hot_restore']:.3f}s ({row['hot_cached_tokens']} cached)"
+        )
+    srv.wait_ssd_writes()
+    c["ssd_stats_before_restart"] = srv.cache_stats()
+    srv.stop()
+    c["page_cache_dropped"] = drop_page_cache()
+    srv.start()
+    c["restart_load_s"] = srv.wait_ready()
+    ttft(srv.url, wl.body(wl.prompt(args.prompt_tokens), 2))  # kernels
+    for n in lengths:
+        p, row = prompts[n], c["rows"][n]
+        s1, row["ssd_cached_tokens"] = ttft(srv.url, wl.body(p["pb"] + p["x3"], 2))
+        s2, _ = ttft(srv.url, wl.body(p["pa"] + p["x4"], 2))
+        row["ssd_restore"], row["ssd_restore_first"] = min(s1, s2), s1
+        row["nocache_extended_2"], _ = ttft(nc.url, wl.body(p["pa"] + p["x5"], 2))
+        base = min(row["nocache_extended"], row["nocache_extended_2"])
+        row["slower_with_cache"] = [
+            name for name in ("cache_miss", "hot_restore", "ssd_restore") if row[name] > base * 1.05
+        ]
+        log(
+            f"(c) {n} tokens after restart: ssd {row['ssd_restore']:.3f}s (first {s1:.3f}s, "
+            f"{row['ssd_cached_tokens']} cached) vs recompute {base:.3f}s"
+        )
+    c["cache_stats_after"] = srv.cache_stats()
+    srv.wait_ssd_writes()
+    srv.stop()
+    c["tiers"] = tier_bandwidths(srv.home / "cache", max_blocks=max(lengths) // 256, drop=True)
+    log(f"(c) tiers: {json.dumps({k: round(v, 2) for k, v in c['tiers'].items()})}")
+    srv.start()  # the finally block stops it again
+    srv.wait_ready()
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(
+        f"\n== {r['shape']} on {r['device_info'].get('device_name', r['device'])}, MLX {r['mlx']}, mlx-lm {r['mlx_lm']} =="
+    )
+    if "a" in r:
+        a = r["a"]
+        print(
+            f"(a) batch-1 decode, {a['decode_tokens']} tokens: raw stream_generate {a['raw_tps']:.1f} tok/s | "
+            f"omlx {a['omlx_tps']:.1f} tok/s | ratio {a['ratio']:.3f} (goal >= 0.95); raw BatchGenerator "
+            f"batch-1 {a.get('raw_batchgen_tps', float('nan')):.1f} tok/s"
+        )
+    if "b" in r:
+        b = r["b"]
+        print(
+            f"(b) {b['streams']} streams x {b['stream_tokens']}: raw BatchGenerator {b['raw_tps']:.0f} tok/s | "
+            f"omlx {b['omlx_tps']:.0f} tok/s | ratio {b['ratio']:.3f} (goal >= 0.9); steady decode "
+            f"{b['raw_steady_tps']:.0f} vs {b['omlx_steady_tps']:.0f} ({b['steady_ratio']:.3f}); raw w/o logits "
+            f"processors {b['raw_no_logits_processor_tps']:.0f}"
+        )
+    if "c" in r:
+        for n, row in r["c"].get("rows", {}).items():
+            print(
+                f"(c) {n:>6} tok TTFT: raw {row['raw_mlx_lm_ttft']:.3f}s | no-cache {row['nocache_cold']:.3f}s | "
+                f"miss {row['cache_miss']:.3f}s | hot {row['hot_restore']:.3f}s | SSD after restart "
+                f"{row.get('ssd_restore', float('nan')):.3f}s | slower with cache: {row.get('slower_with_cache')}"
+            )
+        if r["c"].get("tiers"):
+            t = r["c"]["tiers"]
+            print(
+                "(c) tiers GB/s: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k.endswith("GBps"))
+            )
+    if "d" in r:
+        d = r["d"]
+        print(
+            f"(d) HBM {d['hbm_GBps']:.0f} GB/s, {d['bytes_per_step'] / 1e9:.2f} GB/step -> floor {d['floor_tps']:.0f} tok/s; "
+            f"raw {d['raw_fraction']:.2f}, omlx {d['omlx_fraction']:.2f} of it"
+        )
+    if "device_bw" in r:
+        print("(e) " + ", ".join(f"{k} {v:.1f}" for k, v in r["device_bw"].items()))
+
+
+if __name__ == "__main__":
+    main()

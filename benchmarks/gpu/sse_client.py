@@ -1,0 +1,83 @@
+"""Streaming client for the GPU benchmark: no MLX import, so it can run in worker processes.
+
+One request = one streamed `/v1/completions` call with token-id prompts. A record holds the
+send time, the arrival time of every chunk that carried text, and the final usage, all on
+`time.perf_counter()` (CLOCK_MONOTONIC on Linux, so times from several processes compare).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+
+
+def stream_completion(
+    client: httpx.Client, base_url: str, body: dict[str, Any], timeout: float = 180.0
+) -> dict[str, Any]:
+    sent = time.perf_counter()
+    times: list[float] = []
+    usage: dict[str, Any] | None = None
+    finish = None
+    with client.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices", ()):
+                if ch.get("text"):
+                    times.append(time.perf_counter())
+                if ch.get("finish_reason"):
+                    finish = ch["finish_reason"]
+    done = time.perf_counter()
+    usage = usage or {}
+    return {
+        "sent": sent,
+        "done": done,
+        "times": times,
+        "completion_tokens": usage.get("completion_tokens", len(times)),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "finish_reason": finish,
+    }
+
+
+def stream_group(
+    base_url: str, bodies: list[dict[str, Any]], start_at: float, timeout: float = 180.0
+) -> list[dict[str, Any]]:
+    """Run `bodies` concurrently (one thread each), all sent at `start_at` (perf_counter)."""
+    results: list[Any] = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        with httpx.Client(timeout=timeout) as client:
+            delay = start_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                results[i] = stream_completion(client, base_url, bodies[i], timeout)
+            except Exception as exc:  # reported to the driver, which fails the measurement
+                results[i] = {"error": repr(exc)}
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def ping(_: int = 0) -> float:
+    return time.perf_counter()
