@@ -58,6 +58,9 @@ def _invalid(exc: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for '{field}': {err['msg']}.", param=field)
 
 
+_DEFAULT = ModelSettings()
+
+
 class ModelSettingsStore:
     """Thread-safe, atomically persisted map of model id → ModelSettings."""
 
@@ -75,8 +78,12 @@ class ModelSettingsStore:
                 raise ConfigError(f"Cannot read {path}: {exc}. Fix or delete the file.") from None
 
     def get(self, model_id: str) -> ModelSettings:
+        """The model's settings, shared and read-only (this sits on every request's path)."""
         with self._lock:
-            return self._data.get(model_id, ModelSettings()).model_copy(deep=True)
+            return self._data.get(model_id, _DEFAULT)
+
+    def _editable(self, model_id: str) -> ModelSettings:
+        return self.get(model_id).model_copy(deep=True)
 
     def put(self, model_id: str, settings: ModelSettings) -> None:
         with self._lock:
@@ -96,7 +103,7 @@ class ModelSettingsStore:
     def set_profile(self, model_id: str, name: str, values: dict[str, Any], *, create: bool) -> ModelSettings:
         if not name or ":" in name or "/" in name:
             raise InvalidRequestError("Profile names must be non-empty and contain no ':' or '/'.", param="name")
-        settings = self.get(model_id)
+        settings = self._editable(model_id)
         if create and name in settings.profiles:
             raise InvalidRequestError(f"Profile '{name}' already exists for '{model_id}'.", param="name")
         if not create and name not in settings.profiles:
@@ -109,7 +116,7 @@ class ModelSettingsStore:
         return settings
 
     def delete_profile(self, model_id: str, name: str) -> None:
-        settings = self.get(model_id)
+        settings = self._editable(model_id)
         if name not in settings.profiles:
             raise NotFoundError(f"Model '{model_id}' has no profile '{name}'.")
         del settings.profiles[name]

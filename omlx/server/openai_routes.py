@@ -186,7 +186,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
         requests += fan_out(base, body.n)
     rid = requests[0].request_id.rsplit("-", 1)[0] if body.n > 1 else requests[0].request_id
     created = int(time.time())
-    prompt_texts = [tokenizer.decode(p) for p in prompts for _ in range(body.n)]
+    prompt_texts = [tokenizer.decode(p) for p in prompts for _ in range(body.n)] if body.echo else []
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
