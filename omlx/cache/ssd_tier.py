@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import struct
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -141,6 +142,17 @@ def _unlink(path: Path | str) -> None:
         pass
     except OSError as exc:  # pragma: no cover - e.g. read-only file system
         log.debug("could not delete %s: %s", path, exc)
+
+
+def _lower_thread_priority() -> None:
+    """Writes are background work: on Linux (per-thread nice) they yield the CPU to decoding,
+    which matters on small machines where checksumming and writing compete with the engine."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:
+        pass
 
 
 class SSDTier:
@@ -462,6 +474,7 @@ class SSDTier:
     # ------------------------------------------------------------------ writer thread
 
     def _run(self) -> None:
+        _lower_thread_priority()
         try:
             self._scan()
             with self._io_lock:
