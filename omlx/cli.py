@@ -70,7 +70,12 @@ def diagnose(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Print platform, MLX, device, memory, directories and discovered models."""
-    from omlx.platform_info import BLAS_HINT, maybe_reexec_with_openblas, missing_backend, platform_summary
+    from omlx.platform_info import (
+        BLAS_HINT,
+        maybe_reexec_with_openblas,
+        missing_backend,
+        platform_summary,
+    )
 
     if problem := missing_backend():
         fail(problem)

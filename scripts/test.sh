@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
+.venv/bin/ruff check omlx tests
 exec .venv/bin/python -m pytest -q "$@"

@@ -111,7 +111,7 @@ def test_multi_turn_conversation_reuses_the_previous_turn_including_its_tail(tin
             cached.append((r["usage"]["prompt_tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
             messages.append({"role": "assistant", "content": answer})
         # each later turn restores more than whole blocks: the previous turn's tail is reused too
-        for prompt, hit in cached[1:]:
+        for _, hit in cached[1:]:
             assert hit > 0
         assert any(hit % BLOCK for _, hit in cached[1:])
     finally:
