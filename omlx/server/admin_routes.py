@@ -6,23 +6,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from omlx.errors import InvalidRequestError
+from omlx.admin.routes import json_object
 
 router = APIRouter(prefix="/api")
 
 
 def _pool(request: Request) -> Any:
     return request.app.state.pool
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidRequestError("Malformed JSON body.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The body must be a JSON object.")
-    return body
 
 
 def _model_id(request: Request, model_id: str) -> str:
@@ -39,7 +29,7 @@ async def get_model_settings(model_id: str, request: Request) -> dict[str, Any]:
 @router.put("/models/{model_id:path}/settings")
 async def put_model_settings(model_id: str, request: Request) -> dict[str, Any]:
     mid = _model_id(request, model_id)
-    patch = await _json_object(request)
+    patch = await json_object(request)
     patch.pop("profiles", None)  # profiles have their own routes
     updated = _pool(request).model_settings.update(mid, patch)
     return {"id": mid, "settings": updated.model_dump()}
@@ -48,14 +38,14 @@ async def put_model_settings(model_id: str, request: Request) -> dict[str, Any]:
 @router.post("/models/{model_id:path}/profiles/{name}")
 async def create_profile(model_id: str, name: str, request: Request) -> dict[str, Any]:
     mid = _model_id(request, model_id)
-    updated = _pool(request).model_settings.set_profile(mid, name, await _json_object(request), create=True)
+    updated = _pool(request).model_settings.set_profile(mid, name, await json_object(request), create=True)
     return {"id": mid, "profile": name, "settings": updated.profiles[name].model_dump()}
 
 
 @router.put("/models/{model_id:path}/profiles/{name}")
 async def replace_profile(model_id: str, name: str, request: Request) -> dict[str, Any]:
     mid = _model_id(request, model_id)
-    updated = _pool(request).model_settings.set_profile(mid, name, await _json_object(request), create=False)
+    updated = _pool(request).model_settings.set_profile(mid, name, await json_object(request), create=False)
     return {"id": mid, "profile": name, "settings": updated.profiles[name].model_dump()}
 
 
