@@ -24,7 +24,6 @@ unrelated warm-up request, so first-use kernel compilation is not counted as pre
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     CpuMeter,
     PreparedModel,
+    QuietPolicy,
     Row,
     Server,
     StreamResult,
@@ -42,12 +42,12 @@ from common import (  # noqa: E402
     log,
     machine_summary,
     mean,
-    measured,
     new_client,
     prepare_model,
     print_table,
     run,
     stream_chat,
+    stream_many,
     text_of_tokens,
     warn_if_busy,
     write_json,
@@ -63,6 +63,7 @@ QUICK = {
     "overhead_prompts": 4,
     "overhead_tokens": 300,
     "overhead_rounds": 1,
+    "quiet_budget": 30,
 }
 
 
@@ -307,36 +308,26 @@ def part_c(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
 
 
 def distinct_messages(text: str) -> list[dict[str, str]]:
-    """A chat whose tokens differ from the first one after the template's `<|im_start|>system`:
-    an explicit system message starting with the text (else the template's default system
-    prompt would be a shared prefix)."""
+    """A chat that differs from others right after the template's `<|im_start|>system`: an
+    explicit system message made of the text's first sentence (random words; without it the
+    template's default system prompt would be a shared prefix)."""
     return [
         {"role": "system", "content": text.split(". ", 1)[0] + "."},
         {"role": "user", "content": text},
     ]
 
 
-async def _throughput(
-    server: Server, prompts: list[str], concurrency: int, max_tokens: int
-) -> tuple[list[StreamResult], float]:
-    queue: asyncio.Queue[str] = asyncio.Queue()
-    for p in prompts:
-        queue.put_nowait(p)
+def waves(server: Server, texts: list[str], width: int, max_tokens: int):
+    """Send the prompts `width` at a time, each wave together (so every run batches the same
+    way); returns all results and the summed wall time of the waves."""
     results: list[StreamResult] = []
-
-    async def worker(client) -> None:
-        while not queue.empty():
-            text = queue.get_nowait()
-            results.append(
-                await stream_chat(
-                    client, server, distinct_messages(text), max_tokens, fixed_length=True
-                )
-            )
-
-    async with new_client() as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        return results, time.perf_counter() - t0
+    wall = 0.0
+    for i in range(0, len(texts), width):
+        chats = [distinct_messages(t) for t in texts[i : i + width]]
+        rs, w = run(stream_many(server, chats, max_tokens, fixed_length=True))
+        results += rs
+        wall += w
+    return results, wall
 
 
 def part_d(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
@@ -345,6 +336,7 @@ def part_d(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
     best: dict[str, float] = {}
     hits = {"cache": 0, "nocache": 0}
     noise: list[float] = []
+    quiet = QuietPolicy(args.quiet_budget)
     try:
         for s in (cached, nocache):
             log(f"starting {s.label}")
@@ -356,22 +348,15 @@ def part_d(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
         def one_round(server: Server) -> tuple[list[StreamResult], float]:
             # Fresh prompts for every attempt and every server: nothing can ever hit.
             seed0 = 50_000 + 1_000 * next(batches)
-            prompts = [
-                text_of_tokens(
-                    model,
-                    args.overhead_tokens,
-                    seed=seed0 + i,
-                    prefix=f"Document {seed0 + i} of the pile. ",
-                )
+            texts = [
+                text_of_tokens(model, args.overhead_tokens, seed=seed0 + i)
                 for i in range(args.overhead_prompts)
             ]
-            return run(
-                _throughput(server, prompts, args.overhead_concurrency, args.overhead_max_tokens)
-            )
+            return waves(server, texts, args.overhead_concurrency, args.overhead_max_tokens)
 
         for rnd in range(args.overhead_rounds):
             for side, server in (("cache", cached), ("nocache", nocache)):
-                (results, wall), others = measured(lambda s=server: one_round(s), pids, 2)
+                (results, wall), others = quiet.measure(lambda s=server: one_round(s), pids)
                 noise.append(others)
                 tokens = sum(r.prompt_tokens + r.completion_tokens for r in results)
                 hits[side] += sum(r.cached_tokens for r in results)
@@ -421,7 +406,7 @@ def main() -> None:
         "--long-tokens", type=int, default=2000, help="(a) prompt length (default 2000)"
     )
     ap.add_argument("--sessions", type=int, default=12, help="(b, c) sessions (default 12)")
-    ap.add_argument("--turns", type=int, default=6, help="(b) turns per session (default 6)")
+    ap.add_argument("--turns", type=int, default=4, help="(b) turns per session (default 4)")
     ap.add_argument(
         "--restart-after",
         type=int,
@@ -455,8 +440,15 @@ def main() -> None:
     ap.add_argument(
         "--overhead-rounds",
         type=int,
-        default=2,
-        help="(d) rounds per server; best is kept (default 2)",
+        default=3,
+        help="(d) rounds per server; best is kept (default 3)",
+    )
+    ap.add_argument(
+        "--quiet-budget",
+        type=float,
+        default=120,
+        help="(d) seconds it may spend waiting for other processes to go idle and re-measuring "
+        "noisy rounds (default 120; 0 = measure as-is)",
     )
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     PYTHON,
+    QuietPolicy,
     Row,
     Server,
     bench_env,
@@ -34,7 +35,6 @@ from common import (  # noqa: E402
     log,
     machine_summary,
     mean,
-    measured,
     prepare_model,
     print_table,
     run,
@@ -89,24 +89,24 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=2, help="rounds per server; the best is reported (default 2)"
     )
-    ap.add_argument("--quick", action="store_true", help="smoke run: 64 / 32 tokens, one round")
     ap.add_argument(
-        "--retries",
-        type=int,
-        default=2,
-        help="re-measure when other processes took CPU (default 2)",
+        "--quick",
+        action="store_true",
+        help="smoke run: 64 / 32 tokens, one round, quiet budget 30 s",
     )
     ap.add_argument(
-        "--quiet-wait",
+        "--quiet-budget",
         type=float,
-        default=60,
-        help="before each measurement wait up to this many seconds for other processes to go idle (default 60)",
+        default=300,
+        help="seconds this run may spend waiting for other processes to go idle and re-measuring "
+        "noisy measurements (default 300; 0 = measure as-is)",
     )
     ap.add_argument("--skip-raw", action="store_true", help="skip the raw mlx-lm measurements")
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
     if args.quick:
         args.decode_tokens, args.stream_tokens, args.repeats = 64, 32, 1
+        args.quiet_budget = min(args.quiet_budget, 30)
 
     model = prepare_model(args.model_path)
     info = header_info(sys.argv, model)
@@ -131,6 +131,7 @@ def main() -> None:
     pids = lambda: [ours.pid, peer.pid]  # noqa: E731
     best: dict[str, dict[str, float]] = {"ours": {}, "peer": {}, "raw": {}}
     noise: list[float] = []
+    quiet = QuietPolicy(args.quiet_budget)
 
     def keep(side: str, key: str, value: float, higher_is_better: bool) -> None:
         old = best[side].get(key)
@@ -139,7 +140,7 @@ def main() -> None:
 
     def measure(what: str, fn):
         log(what)
-        result, others = measured(fn, pids, args.retries, args.quiet_wait)
+        result, others = quiet.measure(fn, pids)
         noise.append(others)
         return result
 
