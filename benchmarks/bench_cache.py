@@ -16,7 +16,7 @@ tables show them. A restart stops the server process and starts a new one with t
 OMLX_HOME (so the same cache dir). After every (re)start each server gets the same short,
 unrelated warm-up request, so first-use kernel compilation is not counted as prefill.
 
-    .venv/bin/python benchmarks/bench_cache.py              # full run (~15 min on 2 CPUs)
+    .venv/bin/python benchmarks/bench_cache.py              # full run (~16 min on 2 CPUs)
     .venv/bin/python benchmarks/bench_cache.py --quick      # smoke run (~2 min)
     .venv/bin/python benchmarks/bench_cache.py --parts a,d  # some parts only
 """

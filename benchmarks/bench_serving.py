@@ -6,11 +6,12 @@
       both through the OpenAI API with the same client code — goal >= 1.2x;
       plus mean time to first token at 1 and at N streams.
 
-Every process gets the same OpenBLAS preload. Both servers run at the same time (an idle
-one costs nothing), are warmed up first, and the rounds alternate between them; each
-figure is the best of --repeats rounds (noise on a shared machine only ever slows down).
+Every process uses the same OpenBLAS (oMLX preloads it itself, the peers get LD_PRELOAD).
+Both servers run at the same time (an idle one costs nothing), are warmed up first, and
+the rounds alternate between them; each figure is the best of --repeats rounds (noise on a
+shared machine only ever slows down). Every request gets a prompt never sent before.
 
-    .venv/bin/python benchmarks/bench_serving.py            # full run (~6 min on 2 CPUs)
+    .venv/bin/python benchmarks/bench_serving.py            # full run (~8 min on 2 CPUs)
     .venv/bin/python benchmarks/bench_serving.py --quick    # smoke run (~2 min)
 """
 
@@ -176,7 +177,7 @@ def main() -> None:
         for server in (ours, peer):
             log(f"starting {server.label}")
             server.start()
-            log(f"warming up {server.label}")
+            log(f"warming up {server.label} (BLAS: {server.blas()})")
             run(stream_many(server, prompts(1), 16, fixed_length=True))
             run(stream_many(server, prompts(args.streams), 8, fixed_length=True))
         for rnd in range(1, args.repeats + 1):

@@ -62,18 +62,18 @@ def find_openblas() -> str | None:
     return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
 
 
-def bench_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for every measured process: the same BLAS preload for all of them.
+def bench_env(extra: dict[str, str] | None = None, *, preload: bool = True) -> dict[str, str]:
+    """Environment for a measured process: with `preload`, the system OpenBLAS preloaded.
 
-    oMLX would re-exec itself with this preload anyway; giving it up front (plus the
-    marker) means both servers and raw mlx-lm load exactly the same library.
+    Peers (mlx_lm.server, raw mlx-lm) get the preload here. oMLX gets `preload=False`: it
+    preloads the same library itself at start-up (re-exec), as it does for users, so
+    whatever BLAS set-up oMLX does counts as oMLX's. `Server.start` checks which BLAS
+    each server process really mapped.
     """
     env = dict(os.environ)
     lib = find_openblas()
-    if lib and "openblas" not in env.get("LD_PRELOAD", ""):
+    if preload and lib and "openblas" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-    if lib:
-        env["OMLX_BLAS_PRELOADED"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
@@ -437,9 +437,10 @@ class Server:
     def start(self, timeout: float = 180.0) -> Server:
         self.port = free_port()
         self.starts += 1
-        env = bench_env(
-            {"OMLX_HOME": str(self.home / "omlx-home")} if self.kind == "omlx" else None
-        )
+        if self.kind == "omlx":
+            env = bench_env({"OMLX_HOME": str(self.home / "omlx-home")}, preload=False)
+        else:
+            env = bench_env()
         self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.command(), cwd=REPO_ROOT, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
@@ -452,12 +453,31 @@ class Server:
                 )
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    self.check_blas()
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"{self.label} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def blas(self) -> str:
+        """The BLAS library the server process has mapped (Linux), or a description."""
+        try:
+            maps = Path(f"/proc/{self.pid}/maps").read_text()
+        except OSError:
+            return "unknown"
+        libs = {line.split()[-1] for line in maps.splitlines() if "libopenblas" in line}
+        return ", ".join(sorted(libs)) or "no OpenBLAS mapped"
+
+    def check_blas(self) -> None:
+        """Warn when this server does not use the system OpenBLAS the others get."""
+        lib = find_openblas()
+        if lib is None:
+            return
+        mapped = self.blas()
+        if Path(lib).resolve().name not in {Path(m).resolve().name for m in mapped.split(", ")}:
+            log(f"warning: {self.label} maps {mapped!r}, not {lib}: BLAS differs between processes")
 
     def stop(self, timeout: float = 30.0) -> None:
         if self.proc is None:
