@@ -99,6 +99,13 @@ def _fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": merged}, *rest]
 
 
+def _family(engine: LLMEngine) -> str | None:
+    """The model's tool-call family, detected once per engine (it scans the vocabulary)."""
+    if not hasattr(engine, "tool_family"):
+        engine.tool_family = detect_family(engine.tokenizer)  # type: ignore[attr-defined]
+    return engine.tool_family  # type: ignore[attr-defined]
+
+
 def render_turn(tokenizer: Any, turn: ChatTurn, tools: list[dict[str, Any]] | None, native_tools: bool) -> list[int]:
     messages = [dict(m) for m in turn.messages]
     instruction = _tool_instruction(turn.tool_choice, tools or [])
@@ -128,7 +135,7 @@ async def prepare_chat(
     defaults = resolved.defaults
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(tokenizer)
-    family = detect_family(tokenizer) if native else ("hermes" if tools else detect_family(tokenizer))
+    family = _family(engine) if native or not tools else "hermes"
     turn.template_kwargs = {**(defaults.chat_template_kwargs or {}), **turn.template_kwargs}
     prompt = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native)
     think_start = getattr(tokenizer, "think_start", None) or "<think>"
