@@ -38,17 +38,6 @@ REPO_ROOT = BENCH_DIR.parent
 CACHE_DIR = BENCH_DIR / ".cache"
 PYTHON = sys.executable
 
-# Same places oMLX looks (omlx.platform_info); repeated so the driver need not import omlx.
-OPENBLAS_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
-
-
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -57,9 +46,12 @@ def log(msg: str) -> None:
 
 
 def find_openblas() -> str | None:
+    """The OpenBLAS oMLX would preload (omlx.platform_info imports no MLX at module level)."""
     if sys.platform != "linux":
         return None
-    return next((p for p in OPENBLAS_CANDIDATES if Path(p).exists()), None)
+    from omlx.platform_info import find_openblas as omlx_find_openblas
+
+    return omlx_find_openblas()
 
 
 def bench_env(extra: dict[str, str] | None = None, *, preload: bool = True) -> dict[str, str]:
