@@ -13,6 +13,8 @@ HTTP requests. Parts (see benchmarks/gpu/README.md):
      restart (page cache dropped), and the tiers' restore bandwidth
   d  batch-1 decode as a fraction of the HBM floor (bytes read per step / copy bandwidth)
   e  host<->device copy bandwidth through MLX (and PyTorch for reference)
+  f  oMLX vs `mlx_lm.server --decode-concurrency N` on text prompts: batch-1 decode and
+     N (default 8) concurrent streams' aggregate tok/s (issue #3's serving comparison)
 
 Usage (on the GPU machine, see README): python benchmarks/gpu/bench_gpu.py --shape llama-3.2-1b
 """
@@ -254,6 +256,34 @@ class Server:
             time.sleep(1.0)
 
 
+class PeerServer(Server):
+    """`mlx_lm.server` on the same model folder: the peer of part (f)."""
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.starts += 1
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.models_root / self.model),
+               "--port", str(self.port), *self.extra]  # fmt: skip
+        self._log = open(self.home / f"server-{self.starts}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, env=env, cwd=self.home, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        tic = PERF()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.label} exited {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return PERF() - tic
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.label} did not start:\n{self.log_tail()}")
+
+
 # ----------------------------------------------------------------------------- workload
 class Workload:
     def __init__(self, model_name: str, eos: list[int], seed: int = 1234):
@@ -283,6 +313,16 @@ def decode_rate(times: list[float]) -> float:
         if len(times) > 1 and times[-1] > times[0]
         else 0.0
     )
+
+
+def stream_rate(rec: dict[str, Any]) -> float:
+    """Decode tok/s of one streamed request: tokens after the first over first text → last chunk.
+
+    Counted from the usage, not from chunks: a chunk may carry several tokens (the server
+    merges a stream's tokens when its client falls behind) or none (a partial character)."""
+    first = rec["times"][0] if rec["times"] else None
+    span = rec["end"] - first if first is not None else 0.0
+    return (rec["completion_tokens"] - 1) / span if span > 0 and rec["completion_tokens"] > 1 else 0.0
 
 
 REQUEST_TIMEOUT = 180.0  # --request-timeout
@@ -339,6 +379,39 @@ def raw_batch_decode(model: Any, prompt: list[int], n: int, eos: list[int]) -> f
     return decode_rate(times)
 
 
+def engine_decode(model: Any, tokenizer: Any, prompt: list[int], n: int, eos: list[int]) -> dict[str, float]:
+    """Batch-1 decode through oMLX's `LLMEngine` in this process: the engine without HTTP.
+
+    Tells the engine's own cost (raw `BatchGenerator` vs this) from the HTTP layer's
+    (this vs the server)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omlx.engine.llm_engine import LLMEngine
+    from omlx.engine.request import GenerationRequest, SamplingParams
+
+    loaded = SimpleNamespace(model=model, tokenizer=tokenizer, context_length=1 << 20)
+    engine = LLMEngine("bench", lambda: loaded, max_concurrent=1)
+
+    async def run() -> dict[str, float]:
+        await engine.wait_ready()
+        bias = {e: -100.0 for e in eos}
+        req = GenerationRequest("bench", prompt, n, SamplingParams(temperature=0.0, logit_bias=bias))
+        first = last = 0.0
+        tokens = 0
+        async for ev in engine.generate(req):
+            if ev.token_ids:
+                last = PERF()
+                first = first or last
+                tokens += len(ev.token_ids)
+        return {"tps": (tokens - 1) / (last - first) if last > first else 0.0, "tokens": tokens}
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
 def raw_batch(
     model: Any,
     prompts: list[list[int]],
@@ -363,13 +436,13 @@ def raw_batch(
     bg.insert(prompts, max_tokens=[n] * s, logits_processors=[procs] * s)
     first: dict[int, float] = {}
     last: dict[int, float] = {}
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     finished = 0
     while finished < s:
         _, gen = bg.next()
         now = PERF()
         for r in gen:
-            stamps.append(now)
+            stamps.append((now, 1.0))
             first.setdefault(r.uid, now)
             last[r.uid] = now
             if r.finish_reason is not None:
@@ -388,10 +461,11 @@ def summarize_streams(
     total: int,
     firsts: list[float],
     lasts: list[float],
-    stamps: list[float],
+    stamps: list[tuple[float, float]],
 ) -> dict[str, float]:
+    """`stamps`: (arrival time, tokens it carried) of every chunk of every stream."""
     lo, hi = max(firsts), min(lasts)
-    steady = sum(1 for t in stamps if lo < t <= hi) / (hi - lo) if hi > lo else 0.0
+    steady = sum(w for t, w in stamps if lo < t <= hi) / (hi - lo) if hi > lo else 0.0
     return {
         "aggregate_tps": total / (t_end - t0),
         "steady_tps": steady,
@@ -412,13 +486,15 @@ def server_batch(
     if errors:
         raise RuntimeError(f"{len(errors)} streams failed: {errors[:3]}")
     total = sum(r["completion_tokens"] for r in recs)
-    stamps = [t for r in recs for t in r["times"]]
+    # a chunk may carry several tokens (merged when a client falls behind): spread each
+    # stream's tokens evenly over its chunks
+    stamps = [(t, r["completion_tokens"] / len(r["times"])) for r in recs for t in r["times"]]
     return summarize_streams(
         start_at,
         max(r["done"] for r in recs),
         total,
         [r["times"][0] for r in recs],
-        [r["times"][-1] for r in recs],
+        [r["end"] for r in recs],
         stamps,
     )
 
@@ -648,6 +724,7 @@ def main() -> None:
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--stream-repeats", type=int, default=2)
     ap.add_argument("--client-procs", type=int, default=8)
+    ap.add_argument("--peer-streams", type=int, default=8, help="Concurrent streams of part (f).")
     ap.add_argument("--ttft-lengths", default="8000,32000")
     ap.add_argument(
         "--new-tokens", type=int, default=64, help="Tokens appended to a cached prompt (c)."
@@ -738,6 +815,12 @@ def main() -> None:
             ["--max-concurrent-requests", str(args.streams), "--no-cache", *extra],
         )
         servers.append(nc)
+    peer = None
+    if "f" in parts:
+        n = str(args.peer_streams)
+        peer = PeerServer("mlx_lm.server", models_root, args.shape, homes / "peer",
+                          ["--decode-concurrency", n, "--prompt-concurrency", n])  # fmt: skip
+        servers.append(peer)
     for s in servers:
         s.start()
     spy = PySpy(args.py_spy, out_dir)
@@ -763,6 +846,8 @@ def main() -> None:
                 args.prefill_step_size or 512,
             )
         for s in servers:
+            if s is peer:  # warmed up by part (f) itself, on its own text prompts
+                continue
             one(s.url, wl.body(prompt_a, warm_tokens))
             log(f"{s.label} warm (1 stream)")
             if "b" in parts:
@@ -785,15 +870,17 @@ def main() -> None:
                 for r in range(args.repeats):
                     raw = raw_decode(model, tokenizer, prompt_a, args.decode_tokens, eos)
                     raw_bg = raw_batch_decode(model, prompt_a, args.decode_tokens, eos)
+                    eng = engine_decode(model, tokenizer, prompt_a, args.decode_tokens, eos)
                     if r == args.repeats - 1:
                         spy.start(srv.proc.pid, f"{args.shape}-a", 120)
                     rec = one(srv.url, wl.body(prompt_a, args.decode_tokens))
                     spy.stop()
-                    ours = decode_rate(rec["times"])
+                    ours = stream_rate(rec)
                     rows.append(
                         {
                             "raw_tps": raw["tps"],
                             "raw_batchgen_tps": raw_bg,
+                            "engine_tps": eng["tps"],
                             "omlx_tps": ours,
                             "omlx_tokens": rec["completion_tokens"],
                             "omlx_text_chunks": len(rec["times"]),
@@ -803,7 +890,7 @@ def main() -> None:
                     )
                     log(
                         f"(a) round {r}: raw {raw['tps']:.1f} tok/s, raw BatchGenerator {raw_bg:.1f} tok/s, "
-                        f"omlx {ours:.1f} tok/s ({ours / raw['tps']:.3f}x)"
+                        f"oMLX engine in-process {eng['tps']:.1f} tok/s, omlx {ours:.1f} tok/s ({ours / raw['tps']:.3f}x)"
                     )
                 best_raw = max(x["raw_tps"] for x in rows)
                 best_ours = max(x["omlx_tps"] for x in rows)
@@ -812,6 +899,7 @@ def main() -> None:
                     "raw_tps": best_raw,
                     "omlx_tps": best_ours,
                     "raw_batchgen_tps": max(x["raw_batchgen_tps"] for x in rows),
+                    "engine_tps": max(x["engine_tps"] for x in rows),
                     "ratio": best_ours / best_raw,
                     "decode_tokens": args.decode_tokens,
                     "prompt_tokens": args.prompt_tokens,
@@ -905,6 +993,15 @@ def main() -> None:
                 log(results["b_error"])
             save()
 
+        if "f" in parts:
+            try:
+                results["f"] = part_f(args, wl, tokenizer, pool, srv, peer)
+            except Exception:
+                dump_servers(args.py_spy, servers)
+                results["f_error"] = traceback.format_exc()
+                log(results["f_error"])
+            save()
+
         if "c" in parts:
             results["c"] = {}
             try:
@@ -925,6 +1022,43 @@ def main() -> None:
         pool.shutdown()
     (out_dir / f"results-{args.shape}.json").write_text(json.dumps(results, indent=2, default=str))
     print_table(results)
+
+
+def part_f(args: Any, wl: Workload, tokenizer: Any, pool: Any, ours: Server, peer: Server) -> dict[str, Any]:
+    """oMLX vs `mlx_lm.server` on the same text prompts: batch-1 and N-stream decode."""
+    n = args.peer_streams
+
+    def body(server: Server, text: str, max_tokens: int) -> dict[str, Any]:
+        b = wl.body([], max_tokens)
+        b["prompt"] = text
+        b["model"] = args.shape if server is ours else "default_model"
+        return b
+
+    def texts(k: int) -> list[str]:
+        return [tokenizer.decode(wl.prompt(args.prompt_tokens)) for _ in range(k)]
+
+    for s in (ours, peer):  # same warm-up for both: kernels compile per process and shape
+        one(s.url, body(s, texts(1)[0], args.decode_tokens))
+        server_batch(pool, s.url, [body(s, t, 8) for t in texts(n)], args.client_procs)
+    rows = []
+    for r in range(args.stream_repeats):
+        row: dict[str, Any] = {}
+        for label, s in (("omlx", ours), ("peer", peer)):
+            rec = one(s.url, body(s, texts(1)[0], args.decode_tokens))
+            batch = server_batch(pool, s.url, [body(s, t, args.stream_tokens) for t in texts(n)], args.client_procs)
+            row[label] = {"b1_tps": stream_rate(rec), "b1_ttft": rec["times"][0] - rec["sent"], **batch}
+        rows.append(row)
+        log(
+            f"(f) round {r}: batch-1 omlx {row['omlx']['b1_tps']:.1f} vs mlx_lm.server {row['peer']['b1_tps']:.1f} tok/s; "
+            f"{n} streams omlx {row['omlx']['aggregate_tps']:.0f} vs {row['peer']['aggregate_tps']:.0f} tok/s "
+            f"(TTFT {row['omlx']['mean_ttft']:.3f} vs {row['peer']['mean_ttft']:.3f} s)"
+        )
+    best = lambda side, key: max(x[side][key] for x in rows)  # noqa: E731
+    out = {"rounds": rows, "streams": n, "stream_tokens": args.stream_tokens}
+    for key in ("b1_tps", "aggregate_tps", "steady_tps"):
+        out[f"omlx_{key}"], out[f"peer_{key}"] = best("omlx", key), best("peer", key)
+        out[f"{key}_ratio"] = out[f"omlx_{key}"] / out[f"peer_{key}"] if out[f"peer_{key}"] else 0.0
+    return out
 
 
 def part_c(
@@ -1000,7 +1134,8 @@ def print_table(r: dict[str, Any]) -> None:
         print(
             f"(a) batch-1 decode, {a['decode_tokens']} tokens: raw stream_generate {a['raw_tps']:.1f} tok/s | "
             f"omlx {a['omlx_tps']:.1f} tok/s | ratio {a['ratio']:.3f} (goal >= 0.95); raw BatchGenerator "
-            f"batch-1 {a.get('raw_batchgen_tps', float('nan')):.1f} tok/s"
+            f"batch-1 {a.get('raw_batchgen_tps', float('nan')):.1f} tok/s; oMLX engine in-process "
+            f"{a.get('engine_tps', float('nan')):.1f} tok/s"
         )
     if "b" in r:
         b = r["b"]
@@ -1023,6 +1158,14 @@ def print_table(r: dict[str, Any]) -> None:
                 "(c) tiers GB/s: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k.endswith("GBps"))
             )
+    if "f" in r:
+        f = r["f"]
+        print(
+            f"(f) vs mlx_lm.server: batch-1 {f['omlx_b1_tps']:.1f} vs {f['peer_b1_tps']:.1f} tok/s "
+            f"({f['b1_tps_ratio']:.3f}x); {f['streams']} streams x {f['stream_tokens']} aggregate "
+            f"{f['omlx_aggregate_tps']:.0f} vs {f['peer_aggregate_tps']:.0f} tok/s ({f['aggregate_tps_ratio']:.3f}x, "
+            f"goal >= 1.2); steady {f['omlx_steady_tps']:.0f} vs {f['peer_steady_tps']:.0f}"
+        )
     if "d" in r:
         d = r["d"]
         print(

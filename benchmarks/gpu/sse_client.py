@@ -22,6 +22,7 @@ def stream_completion(
     times: list[float] = []
     usage: dict[str, Any] | None = None
     finish = None
+    end = None  # arrival of the chunk with the finish reason: the last token's
     with client.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as r:
         if r.status_code != 200:
             r.read()
@@ -42,11 +43,13 @@ def stream_completion(
                     times.append(time.perf_counter())
                 if ch.get("finish_reason"):
                     finish = ch["finish_reason"]
+                    end = time.perf_counter()
     done = time.perf_counter()
     usage = usage or {}
     return {
         "sent": sent,
         "done": done,
+        "end": end or done,
         "times": times,
         "completion_tokens": usage.get("completion_tokens", len(times)),
         "prompt_tokens": usage.get("prompt_tokens"),

@@ -53,7 +53,7 @@ class PrefixCacheHooks:
         return None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Handle:
     """A request as the asyncio side holds it."""
 
@@ -118,6 +118,11 @@ class LLMEngine:
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
         self._stop = threading.Event()
+        # Events wait here until their event loop runs `_deliver`: one wake-up per loop per step
+        # however many streams advanced, and a loop that fell behind gets each stream's events
+        # merged into one.
+        self._outbox: dict[asyncio.AbstractEventLoop, dict[_Handle, GenerationEvent]] = {}
+        self._outbox_lock = threading.Lock()
         self._bg: BatchGenerator | None = None
         self._thread = threading.Thread(target=self._run, name=f"engine:{model_id}", daemon=True)
         self._thread.start()
@@ -144,6 +149,8 @@ class LLMEngine:
         try:
             while True:
                 event: GenerationEvent = await handle.events.get()
+                while event.finish_reason is None and not handle.events.empty():
+                    event.merge(handle.events.get_nowait())
                 if event.finish_reason is not None:
                     handle.done = True
                 yield event
@@ -429,9 +436,28 @@ class LLMEngine:
                 },
             )
 
-    @staticmethod
-    def _emit(handle: _Handle, event: GenerationEvent) -> None:
-        handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
+    def _emit(self, handle: _Handle, event: GenerationEvent) -> None:
+        with self._outbox_lock:
+            pending = self._outbox.setdefault(handle.loop, {})
+            wake = not pending  # otherwise a `_deliver` for this loop is already scheduled
+            earlier = pending.get(handle)
+            if earlier is None:
+                pending[handle] = event
+            else:
+                earlier.merge(event)
+        if wake:
+            try:
+                handle.loop.call_soon_threadsafe(self._deliver, handle.loop)
+            except RuntimeError:  # the loop is closed: nobody is left to read these events
+                with self._outbox_lock:
+                    self._outbox.pop(handle.loop, None)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the event loop: hand every waiting event to its request's queue."""
+        with self._outbox_lock:
+            pending = self._outbox.pop(loop, {})
+        for handle, event in pending.items():
+            handle.events.put_nowait(event)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -81,3 +81,20 @@ class GenerationEvent:
     stop_string: str | None = None  # set when a stop string (not EOS) ended the output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
+
+    def merge(self, later: GenerationEvent) -> None:
+        """Fold a later event of the same request into this one (a consumer that fell behind
+        gets one event per wake-up instead of one per step)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs
+        if later.finish_reason is not None:
+            self.finish_reason = later.finish_reason
+            self.prompt_tokens = later.prompt_tokens
+            self.cached_tokens = later.cached_tokens
+            self.completion_tokens = later.completion_tokens
+            self.error = later.error
+            self.stop_string = later.stop_string
+            self.first_token_time = later.first_token_time
