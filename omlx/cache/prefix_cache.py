@@ -34,6 +34,10 @@ log = logging.getLogger("omlx.cache")
 
 MAX_PARENTS = 50_000  # token-level tail index: bounded bookkeeping, ~1 KB per entry
 MAX_SIBLINGS = 16
+# A partial block alone is restored only from this many tokens: a few shared tokens (a chat
+# template's header) save no measurable prefill, yet make the request's prompt length differ
+# from its prefill batch-mates', which sends the batch through mlx-lm's padded path.
+MIN_TAIL_ONLY_TOKENS = 32
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -174,8 +178,9 @@ class PrefixCache(PrefixCacheHooks):
         if tail is not None and limit - n > 0:
             # an exact repeat finds the whole prompt's tail: use all but the last token
             use = min(usable, limit - n)
-            parts.append((tail, use))
-            n += use
+            if blocks or use >= MIN_TAIL_ONLY_TOKENS:
+                parts.append((tail, use))
+                n += use
         if not parts:
             return None, 0
         return self._to_cache(parts), n

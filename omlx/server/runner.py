@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
 import uvicorn
@@ -84,4 +86,16 @@ def run_server(settings: Settings) -> None:
         app = create_app(settings)
     except ConfigError as exc:
         _fail(str(exc))
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; with no-op
+    # handlers in place that re-raise ends nothing, so Ctrl-C is a clean exit instead of a
+    # KeyboardInterrupt traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    # The engines, SSD writer and downloads were stopped by the app's shutdown. Leave without
+    # the interpreter's teardown: MLX's stream threads abort the process there ("terminate
+    # called without an active exception") once a model has generated on an engine thread.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
