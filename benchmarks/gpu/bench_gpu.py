@@ -184,6 +184,8 @@ class Server:
         self.port = free_port()
         self.starts += 1
         env = {**os.environ, "OMLX_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        # all servers of a run share MLX's compiled CUDA kernels (each home would compile anew)
+        env.setdefault("MLX_PTX_CACHE_DIR", str(self.home.parent.parent / "kernel-cache"))
         cmd = [
             sys.executable,
             "-m",

@@ -62,6 +62,9 @@ def prepare_model_dir(settings: Settings) -> None:
 
 def run_server(settings: Settings) -> None:
     configure_logging(settings.log_level)
+    # MLX's CUDA backend compiles kernels at run time and caches them under /tmp by default,
+    # which a reboot empties; keep them with oMLX's other state so only the first start pays.
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(settings.home / "kernel-cache"))
     prepare_model_dir(settings)
     from omlx.models.loader import resolve_compute_dtype
     from omlx.platform_info import BLAS_HINT, blas_in_use, cuda_backend_problem, device_info

@@ -7,10 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+SHARED_KERNEL_CACHE = str(Path(tempfile.gettempdir()) / "omlx-tests-kernel-cache")
 
 
 def free_port() -> int:
@@ -24,7 +27,14 @@ class ServerProcess:
         self.home = home
         self.args = args
         self.port = free_port()
-        self.env = {**os.environ, "OMLX_HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env = {
+            **os.environ,
+            "OMLX_HOME": str(home),
+            "PYTHONUNBUFFERED": "1",
+            # every test server has its own home; on CUDA they share MLX's compiled kernels
+            "MLX_PTX_CACHE_DIR": os.environ.get("MLX_PTX_CACHE_DIR", SHARED_KERNEL_CACHE),
+            **(env or {}),
+        }
         self.proc: subprocess.Popen | None = None
         self.log_path = home / "server.log"
 
