@@ -65,7 +65,6 @@ def run_server(settings: Settings) -> None:
     # MLX's CUDA backend compiles kernels at run time and caches them under /tmp by default,
     # which a reboot empties; keep them with oMLX's other state so only the first start pays.
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(settings.home / "kernel-cache"))
-    prepare_model_dir(settings)
     from omlx.models.loader import resolve_compute_dtype
     from omlx.platform_info import BLAS_HINT, blas_in_use, cuda_backend_problem, device_info
     from omlx.server.app import create_app
@@ -86,9 +85,10 @@ def run_server(settings: Settings) -> None:
     from omlx.errors import ConfigError
 
     try:
-        app = create_app(settings)
+        app = create_app(settings)  # validates every setting before a slow first-run provisioning
     except ConfigError as exc:
         _fail(str(exc))
+    prepare_model_dir(settings)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; with no-op
     # handlers in place that re-raise ends nothing, so Ctrl-C is a clean exit instead of a
     # KeyboardInterrupt traceback.

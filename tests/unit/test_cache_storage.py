@@ -677,7 +677,8 @@ def test_ssd_sigkill_during_writes_leaves_only_whole_blocks(tmp_path: Path) -> N
         from cache_writer_helper import make_block as helper_block
     finally:
         sys.path.remove(str(HERE))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # keep the caller's path entries too: MLX may be installed outside the venv (GPU machine)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "cache_writer_helper.py"), str(tmp_path), FP],
         stdout=subprocess.PIPE,
