@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["CacheBlock", "checksum", "dtype_name", "host_view"]
+__all__ = ["CacheBlock", "HostTensors", "checksum", "checksum_host", "dtype_name", "from_host", "host_view", "to_host"]
+
+# name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
+HostTensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 
 
 @dataclass
@@ -59,6 +62,36 @@ def host_view(t: mx.array) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def to_host(tensors: Mapping[str, mx.array]) -> HostTensors:
+    """The raw bytes of each tensor in host memory (zero-copy for evaluated CPU arrays).
+
+    This is the MLX side of moving a block to or from the SSD: call it on the thread that
+    owns the model (the engine), so the SSD threads only ever touch bytes, never MLX.
+    """
+    return {
+        name: (dtype_name(t.dtype), tuple(t.shape), host_view(t).reshape(-1).view(np.uint8))
+        for name, t in tensors.items()
+    }
+
+
+def from_host(host: HostTensors) -> dict[str, mx.array]:
+    """MLX arrays from host bytes (the inverse of `to_host`; engine thread)."""
+    out = {}
+    for name, (dt, shape, data) in host.items():
+        if dt == "bfloat16":
+            out[name] = mx.array(data.view(np.uint16).reshape(shape)).view(mx.bfloat16)
+        else:
+            out[name] = mx.array(data.view(np.dtype(dt)).reshape(shape))
+    return out
+
+
+def checksum_host(host: HostTensors) -> str:
+    """`checksum` over host bytes: pure hashing, safe on any thread."""
+    return _checksum_entries(
+        (name, host[name][0], host[name][1], memoryview(host[name][2])) for name in sorted(host)
+    )
+
+
 def _checksum_entries(entries: Iterable[tuple[str, str, tuple[int, ...], memoryview]]) -> str:
     h = hashlib.sha256(b"omlx-block-checksum-v1\0")
     for name, dt, shape, data in entries:
@@ -74,11 +107,4 @@ def checksum(tensors: Mapping[str, mx.array]) -> str:
     Stored with each SSD block and re-verified on load, so a flipped bit, a torn write or
     a file from another block is caught before it reaches the model.
     """
-
-    def entries() -> Iterable[tuple[str, str, tuple[int, ...], memoryview]]:
-        for name in sorted(tensors):
-            t = tensors[name]
-            arr = host_view(t)
-            yield name, dtype_name(t.dtype), tuple(t.shape), memoryview(arr).cast("B")
-
-    return _checksum_entries(entries())
+    return checksum_host(to_host(tensors))

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
+import numpy as np
+from safetensors import TensorSpec, serialize
 
-from omlx.cache.block import CacheBlock, checksum
+from omlx.cache.block import CacheBlock, HostTensors, checksum_host, from_host, to_host
 
 __all__ = ["SSDTier", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
 
@@ -71,12 +72,22 @@ def read_header(path: Path | str, file_size: int | None = None) -> dict[str, str
         if file_size is None:
             file_size = os.fstat(f.fileno()).st_size
         head = f.read(8)
-        if len(head) != 8:
-            raise CorruptBlockFile("shorter than the safetensors length prefix")
-        (n,) = struct.unpack("<Q", head)
-        if n == 0 or n > _MAX_HEADER or 8 + n > file_size:
-            raise CorruptBlockFile(f"bad header length {n} for a {file_size}-byte file")
+        n = _header_length(head, file_size)
         raw = f.read(n)
+    return _parse_header(raw, n, file_size)[0]
+
+
+def _header_length(head: bytes, file_size: int) -> int:
+    if len(head) != 8:
+        raise CorruptBlockFile("shorter than the safetensors length prefix")
+    (n,) = struct.unpack("<Q", head)
+    if n == 0 or n > _MAX_HEADER or 8 + n > file_size:
+        raise CorruptBlockFile(f"bad header length {n} for a {file_size}-byte file")
+    return n
+
+
+def _parse_header(raw: bytes, n: int, file_size: int) -> tuple[dict[str, str], dict[str, Any]]:
+    """(metadata, tensor entries) of a block file's JSON header, validated against its size."""
     if len(raw) != n:
         raise CorruptBlockFile("truncated header")
     try:
@@ -85,13 +96,11 @@ def read_header(path: Path | str, file_size: int | None = None) -> dict[str, str
         raise CorruptBlockFile(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise CorruptBlockFile("header is not a JSON object")
-    meta = header.get("__metadata__")
+    meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict):
         raise CorruptBlockFile("no __metadata__ in header")
     end = 0
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             start, stop = info["data_offsets"]
             start, stop = int(start), int(stop)
@@ -107,7 +116,50 @@ def read_header(path: Path | str, file_size: int | None = None) -> dict[str, str
     for field in ("key", "fingerprint", "checksum", "token_count", "layer_types"):
         if not isinstance(meta.get(field), str):
             raise CorruptBlockFile(f"metadata field {field!r} missing")
-    return meta
+    return meta, header
+
+
+@dataclass
+class _Write:
+    """A block on its way to disk: its identity and its bytes in host memory (no MLX arrays,
+    so the writer thread never calls MLX)."""
+
+    key: str
+    parent: str | None
+    fingerprint: str
+    token_count: int
+    layer_types: list[str]
+    host: HostTensors
+
+
+@dataclass
+class _Read:
+    """A block read and verified from disk, not yet turned into MLX arrays."""
+
+    key: str
+    parent: str | None
+    fingerprint: str
+    token_count: int
+    layer_types: list[str]
+    host: HostTensors
+
+    def to_block(self) -> CacheBlock:
+        return CacheBlock(
+            key=self.key,
+            parent=self.parent,
+            fingerprint=self.fingerprint,
+            token_count=self.token_count,
+            layer_types=self.layer_types,
+            tensors=from_host(self.host),
+        )
+
+
+# safetensors dtype codes of the tensors a block can hold, as MLX dtype names
+_ST_DTYPES = {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+    "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
+    "U8": "uint8", "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+}  # fmt: skip
 
 
 def _fsync_dir(path: Path) -> None:
@@ -255,8 +307,28 @@ class SSDTier:
         """Load and verify one block; ``None`` on a miss or on any problem with the file.
 
         A file that fails verification is deleted and counted in ``discarded``. The
-        returned tensors are evaluated CPU-stream arrays, ready to be handed to a model.
+        returned tensors are evaluated arrays, ready to be handed to a model. Call on the
+        thread that owns the model: this is where the bytes become MLX arrays.
         """
+        read = self._read(key, fingerprint)
+        return read.to_block() if read is not None else None
+
+    def get_many(self, keys: Sequence[str], fingerprint: str) -> list[CacheBlock | None]:
+        """``get`` for several keys: files read and verified in parallel (no MLX on the
+        reader threads), arrays made here; results in the order of ``keys``."""
+        if len(keys) <= 1 or self._read_workers == 1:
+            reads = [self._read(k, fingerprint) for k in keys]
+        else:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read"
+                    )
+                pool = self._pool
+            reads = list(pool.map(lambda k: self._read(k, fingerprint), keys))
+        return [r.to_block() if r is not None else None for r in reads]
+
+    def _read(self, key: str, fingerprint: str) -> _Read | None:
         if not self.enabled or not _is_key(key):
             return None
         path = self.path_for(key)
@@ -266,7 +338,7 @@ class SSDTier:
                 self._counters["misses"] += 1
                 return None
         try:
-            block, size = self._load(path, key, fingerprint)
+            read, size = self._load(path, key, fingerprint)
         except FileNotFoundError:
             self._forget(key)
             with self._lock:
@@ -288,33 +360,34 @@ class SSDTier:
             elif not self._ready.is_set() or path.exists():
                 self._index[key] = _Entry(size, fingerprint)
                 self._bytes += size
-        return block
+        return read
 
-    def get_many(self, keys: Sequence[str], fingerprint: str) -> list[CacheBlock | None]:
-        """``get`` for several keys, read in parallel; results in the order of ``keys``."""
-        if len(keys) <= 1 or self._read_workers == 1:
-            return [self.get(k, fingerprint) for k in keys]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read"
-                )
-            pool = self._pool
-        return list(pool.map(lambda k: self.get(k, fingerprint), keys))
-
-    def _load(self, path: Path, key: str, fingerprint: str) -> tuple[CacheBlock, int]:
-        size = os.stat(path).st_size
-        meta = read_header(path, size)  # cheap: rejects truncated / foreign files early
-        _check_identity(meta, key, fingerprint)
-        with mx.stream(mx.cpu):
-            tensors, meta2 = mx.load(
-                str(path), format="safetensors", return_metadata=True, stream=mx.cpu
-            )
-        if meta2 != meta:
-            raise CorruptBlockFile("metadata changed while reading")
-        if checksum(tensors) != meta["checksum"]:  # also forces the read (evaluates)
+    def _load(self, path: Path, key: str, fingerprint: str) -> tuple[_Read, int]:
+        """Read a whole block file into memory and verify it: bytes and hashing only."""
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            n = _header_length(f.read(8), size)
+            meta, entries = _parse_header(f.read(n), n, size)  # rejects truncated files early
+            _check_identity(meta, key, fingerprint)
+            data = f.read()
+        if len(data) != size - 8 - n:
+            raise CorruptBlockFile("file changed while reading")
+        buf = np.frombuffer(data, dtype=np.uint8)
+        host: HostTensors = {}
+        for name, info in entries.items():
+            dt = _ST_DTYPES.get(info.get("dtype"))
+            shape = info.get("shape")
+            if dt is None or not isinstance(shape, list):
+                raise CorruptBlockFile(f"bad dtype or shape for {name!r}")
+            start, stop = (int(x) for x in info["data_offsets"])
+            tensor = buf[start:stop]
+            if tensor.nbytes != int(np.prod(shape, dtype=np.int64)) * np.dtype(
+                "uint16" if dt == "bfloat16" else dt
+            ).itemsize:
+                raise CorruptBlockFile(f"size of {name!r} does not match its shape")
+            host[name] = (dt, tuple(int(d) for d in shape), tensor)
+        if checksum_host(host) != meta["checksum"]:
             raise CorruptBlockFile("checksum mismatch")
-        parent = meta.get("parent") or None
         try:
             token_count = int(meta["token_count"])
             layer_types = json.loads(meta["layer_types"])
@@ -322,15 +395,15 @@ class SSDTier:
             raise CorruptBlockFile(f"bad metadata: {exc}") from None
         if not isinstance(layer_types, list):
             raise CorruptBlockFile("layer_types is not a list")
-        block = CacheBlock(
+        read = _Read(
             key=key,
-            parent=parent,
+            parent=meta.get("parent") or None,
             fingerprint=fingerprint,
             token_count=token_count,
             layer_types=[str(t) for t in layer_types],
-            tensors=dict(tensors),
+            host=host,
         )
-        return block, size
+        return read, size
 
     # ------------------------------------------------------------------ writes
 
@@ -355,9 +428,12 @@ class SSDTier:
                 return False
             self._pending.add(block.key)
             self._inflight += 1
-        mx.eval(list(block.tensors.values()))
+        item = _Write(
+            block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types),
+            to_host(block.tensors),  # evaluates; the only MLX work of a write, on the caller's thread
+        )  # fmt: skip
         try:
-            self._queue.put_nowait(block)
+            self._queue.put_nowait(item)
         except queue.Full:
             with self._lock:
                 self._pending.discard(block.key)
@@ -377,17 +453,19 @@ class SSDTier:
         if self._inflight == 0:
             self._idle.notify_all()
 
-    def _write_file(
-        self, path: Path, tensors: Mapping[str, mx.array], metadata: dict[str, str]
-    ) -> None:
+    def _write_file(self, path: Path, host: HostTensors, metadata: dict[str, str]) -> None:
         """Write and fsync one temp file. Tests replace this on the instance to fake I/O errors."""
-        with open(path, "wb") as f:
-            with mx.stream(mx.cpu):
-                mx.save_safetensors(f, dict(tensors), metadata)
+        specs = {
+            name: TensorSpec(dtype=dt, shape=list(shape), data_ptr=data.ctypes.data, data_len=data.nbytes)
+            for name, (dt, shape, data) in host.items()
+        }  # `host` keeps the buffers alive for the call
+        data = serialize(specs, metadata)
+        with open(path, "wb") as f:  # Python I/O, so a full disk is a plain OSError(ENOSPC)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
 
-    def _write_one(self, block: CacheBlock) -> None:
+    def _write_one(self, block: _Write) -> None:
         if self._writes_disabled:
             with self._lock:
                 self._counters["dropped_writes"] += 1
@@ -402,14 +480,14 @@ class SSDTier:
             "token_count": str(int(block.token_count)),
             "fingerprint": block.fingerprint,
             "layer_types": json.dumps(list(block.layer_types)),
-            "checksum": checksum(block.tensors),
+            "checksum": checksum_host(block.host),
         }
         final = self.path_for(block.key)
         tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
         with self._io_lock:
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
-                self._write_file(tmp, block.tensors, metadata)
+                self._write_file(tmp, block.host, metadata)
                 os.replace(tmp, final)
                 _fsync_dir(final.parent)
                 size = final.stat().st_size

@@ -544,11 +544,9 @@ def test_ssd_stale_tmp_removed_on_start(tmp_path: Path) -> None:
         live.wait()
 
 
-def _dev_full_writer(path: Path, tensors: object, metadata: object) -> None:
-    """A real ENOSPC from the kernel: /dev/full refuses every write."""
-    with open("/dev/full", "wb") as f:
-        mx.save_safetensors(f, dict(tensors), metadata)  # type: ignore[call-overload]
-        f.flush()
+def _dev_full_writer(path: Path, host: object, metadata: object) -> None:
+    """A real ENOSPC from the kernel: the tier's own writer, aimed at /dev/full."""
+    SSDTier._write_file(None, Path("/dev/full"), host, metadata)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
