@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from omlx.api.output_parser import normalize_tools
+from omlx.api.tool_calls import normalize_tools
 
 __all__ = ["template_supports_tools", "inject_tools_into_system", "tools_system_text"]
 

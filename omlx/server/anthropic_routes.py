@@ -19,7 +19,7 @@ from omlx.api.anthropic_models import (
     tool_input,
     tool_specs,
 )
-from omlx.api.output_parser import ReasoningDelta, TextDelta, ToolCall
+from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.pool.engine_pool import Resolved

@@ -15,14 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.api.chat_template import render_chat
-from omlx.api.output_parser import (
-    OutputParser,
-    ReasoningDelta,
-    TextDelta,
-    ToolCall,
-    detect_family,
-    prompt_opens_reasoning,
-)
+from omlx.api.output_parser import OutputParser
+from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
+from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, new_request_id

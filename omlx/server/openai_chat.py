@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from omlx.api.chat_template import content_text, normalize_tool_calls
 from omlx.api.openai_models import ChatCompletionRequest
-from omlx.api.output_parser import ReasoningDelta, TextDelta, ToolCall
+from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest
 from omlx.errors import InvalidRequestError

@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from omlx.api.output_parser import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.responses_models import (
     ResponsesRequest,
     ResponseStore,
@@ -19,6 +18,7 @@ from omlx.api.responses_models import (
     items_to_messages,
     tool_choice_name,
 )
+from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.engine.llm_engine import LLMEngine
 from omlx.errors import InvalidRequestError, NotFoundError
 from omlx.pool.engine_pool import Resolved

@@ -8,16 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from omlx.api.output_parser import (
-    OutputParser,
-    TextDelta,
-    ToolCall,
-    canonical_family,
-    detect_family,
-    normalize_arguments,
-    parse_output,
-    prompt_opens_reasoning,
-)
+from omlx.api.output_parser import OutputParser, parse_output
+from omlx.api.tool_call_formats import canonical_family, detect_family, prompt_opens_reasoning
+from omlx.api.tool_calls import TextDelta, ToolCall, normalize_arguments
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 
 WEATHER = {
@@ -653,7 +646,7 @@ FUZZ_ATOMS = [
 
 
 def test_fuzz_chunking_never_changes_the_result():
-    from omlx.api.output_parser import FAMILIES
+    from omlx.api.tool_call_formats import FAMILIES
 
     rng = random.Random(1234)
     for _ in range(300):
