@@ -25,6 +25,7 @@ import numpy as np
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.discovery import ModelInfo
 from omlx.models.encoder_loader import Encoded, LoadedEncoder, load_encoder
+from omlx.pool.memory import load_measured
 
 log = logging.getLogger("omlx.engine")
 
@@ -131,9 +132,7 @@ class EncoderEngine:
 
     def _load(self) -> bool:
         try:
-            before = mx.get_active_memory()
-            self.loaded = self._loader()
-            self.memory_bytes = max(0, mx.get_active_memory() - before)
+            self.loaded, self.memory_bytes = load_measured(self._loader)
             self.context_length = self.loaded.max_length
             return True
         except BaseException as exc:  # reported to every waiter by wait_ready()

@@ -28,6 +28,7 @@ from omlx.engine.sampling import build_logits_processors, build_sampler
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.loader import LoadedLLM
+from omlx.pool.memory import load_measured
 
 log = logging.getLogger("omlx.engine")
 
@@ -195,9 +196,7 @@ class LLMEngine:
 
     def _load(self) -> bool:
         try:
-            before = mx.get_active_memory()
-            loaded = self._loader()
-            self.memory_bytes = max(0, mx.get_active_memory() - before)
+            loaded, self.memory_bytes = load_measured(self._loader)
             self.loaded, self.model, self.tokenizer = loaded, loaded.model, loaded.tokenizer
             self.context_length = loaded.context_length
             self.eos_ids = sorted(set(loaded.tokenizer.eos_token_ids or []))

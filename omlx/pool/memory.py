@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 
@@ -63,6 +65,19 @@ def memory_limit_total() -> int:
     from omlx.cache.setup import hot_tier_total_bytes
 
     return hot_tier_total_bytes()
+
+
+T = TypeVar("T")
+
+
+def load_measured(loader: Callable[[], T]) -> tuple[T, int]:
+    """Run a model loader (on the engine's thread) and return what it built with the memory it
+    took, measured by MLX's active-memory counter rather than estimated."""
+    import mlx.core as mx
+
+    before = mx.get_active_memory()
+    loaded = loader()
+    return loaded, max(0, mx.get_active_memory() - before)
 
 
 def process_rss() -> int:
