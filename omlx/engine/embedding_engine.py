@@ -145,6 +145,10 @@ class EncoderEngine:
     def _run(self) -> None:
         if not self._load():
             return
+        with mx.stream(mx.new_stream(mx.default_device())):  # its own, not the shared default
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 first = self._inbox.get(timeout=0.5)

@@ -125,6 +125,7 @@ class LLMEngine:
         self._outbox: dict[asyncio.AbstractEventLoop, dict[_Handle, GenerationEvent]] = {}
         self._outbox_lock = threading.Lock()
         self._bg: BatchGenerator | None = None
+        self._stream: mx.Stream | None = None  # created on the engine thread
         self._thread = threading.Thread(target=self._run, name=f"engine:{model_id}", daemon=True)
         self._thread.start()
 
@@ -182,6 +183,7 @@ class LLMEngine:
     def _new_batch_generator(self) -> BatchGenerator:
         return BatchGenerator(
             self.model,
+            stream=self._stream,
             max_tokens=1,
             stop_tokens=[[t] for t in self.eos_ids],
             completion_batch_size=self.max_concurrent,
@@ -204,8 +206,13 @@ class LLMEngine:
             self.model_vocab_size = getattr(args, "vocab_size", None) or len(loaded.tokenizer)
             if self._prefix_cache_factory is not None:
                 self.prefix_cache = self._prefix_cache_factory(loaded)
+            # One stream per engine, for everything it computes (steps, restores, stores,
+            # scoring): mlx-lm's default `generation_stream` is shared by every BatchGenerator in
+            # the process, and mixing streams within an engine made MLX's CUDA backend hang.
+            self._stream = mx.new_stream(mx.default_device())
             self._bg = self._new_batch_generator()
-            self._warm_up()
+            with mx.stream(self._stream):
+                self._warm_up()
             return True
         except BaseException as exc:  # reported to every waiter by wait_ready()
             log.exception("loading %s failed", self.model_id)
@@ -248,6 +255,11 @@ class LLMEngine:
     def _run(self) -> None:
         if not self._load():
             return
+        with mx.stream(self._stream):
+            self._loop()
+        self._bg.close()
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             idle = not self._running and not self._waiting
             try:
@@ -262,7 +274,6 @@ class LLMEngine:
                 self._bg = self._new_batch_generator()
             self.active_count = len(self._running)
             self.waiting_count = len(self._waiting)
-        self._bg.close()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -382,10 +393,7 @@ class LLMEngine:
     def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
         """Caching is an optimisation: its failure is logged, never fails the request."""
         try:
-            # On the generation stream: the cache arrays come from it, and evaluating them on
-            # another stream while its next step is in flight hangs MLX's CUDA backend.
-            with mx.stream(self._bg.stream):
-                self.prefix_cache.store(tokens, cache, final=final)
+            self.prefix_cache.store(tokens, cache, final=final)  # on the engine's stream (`_run`)
         except Exception:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
 
