@@ -116,6 +116,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Hot prefix-cache tier budget (device memory on a GPU, RAM otherwise): bytes like 2GB or a share like 20%.",
     ),
     Setting(
+        "ram_cache_max_size",
+        str,
+        "auto",
+        "Warm prefix-cache tier in host RAM, between a discrete GPU's hot tier and the SSD: blocks pushed out of device memory are kept here. auto: 20% of RAM on a CUDA GPU, off where the hot tier is already RAM (CPU, Apple silicon). Bytes like 16GB, a share like 10%, or 0 (off).",
+    ),
+    Setting(
         "ssd_cache_max_size",
         str,
         "10%",

@@ -9,7 +9,7 @@ HTTP requests. Parts (see benchmarks/gpu/README.md):
 
   a  batch-1 decode tok/s: oMLX (streamed /v1/completions) vs `mlx_lm.stream_generate`
   b  N concurrent streams, aggregate tok/s: oMLX vs raw `BatchGenerator`
-  c  TTFT of long prompts: --no-cache, cache miss, hot-tier restore, SSD restore after a
+  c  TTFT of long prompts: --no-cache, cache miss, hot-tier restore, RAM-tier restore, SSD restore after a
      restart (page cache dropped), and the tiers' restore bandwidth
   d  batch-1 decode as a fraction of the HBM floor (bytes read per step / copy bandwidth)
   e  host<->device copy bandwidth through MLX (and PyTorch for reference)
@@ -817,6 +817,16 @@ def main() -> None:
             ["--max-concurrent-requests", str(args.streams), "--no-cache", *extra],
         )
         servers.append(nc)
+        # hot tier too small for one block: every restore comes from the RAM tier (host bytes)
+        ram = Server(
+            "omlx RAM tier",
+            models_root,
+            args.shape,
+            homes / "ram",
+            ["--max-concurrent-requests", str(args.streams), "--hot-cache-only", "--hot-cache-max-size", "1MB",
+             "--ram-cache-max-size", "32GB", *extra],
+        )  # fmt: skip
+        servers.append(ram)
     peer = None
     if "f" in parts:
         n = str(args.peer_streams)
@@ -1007,7 +1017,7 @@ def main() -> None:
         if "c" in parts:
             results["c"] = {}
             try:
-                part_c(args, wl, model, tokenizer, srv, nc, results["c"])
+                part_c(args, wl, model, tokenizer, srv, nc, ram, results["c"])
             except Exception:
                 dump_servers(args.py_spy, servers)
                 results["c_error"] = traceback.format_exc()
@@ -1064,7 +1074,7 @@ def part_f(args: Any, wl: Workload, tokenizer: Any, pool: Any, ours: Server, pee
 
 
 def part_c(
-    args: Any, wl: Workload, model: Any, tokenizer: Any, srv: Server, nc: Server, c: dict[str, Any]
+    args: Any, wl: Workload, model: Any, tokenizer: Any, srv: Server, nc: Server, ram: Server, c: dict[str, Any]
 ) -> None:
     lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
     k = args.new_tokens
@@ -1080,7 +1090,7 @@ def part_c(
             "ttft"
         ]  # prefill step 2048
         # warm both servers for this length: prefill shapes, then a restore of n + k tokens
-        for s in (nc, srv):
+        for s in (nc, srv, ram):
             ttft(s.url, wl.body(p["warm"], 2))
             ttft(s.url, wl.body(p["warm"] + p["x1"], 2))
         row["nocache_cold"], _ = min(
@@ -1092,10 +1102,15 @@ def part_c(
         h1, row["hot_cached_tokens"] = ttft(srv.url, wl.body(p["pa"] + p["x1"], 2))
         h2, _ = ttft(srv.url, wl.body(p["pa"] + p["x2"], 2))
         row["hot_restore"], row["hot_restore_first"] = min(h1, h2), h1
+        ttft(ram.url, wl.body(p["pa"], 2))  # a miss; its blocks go straight through to RAM
+        r1, row["ram_cached_tokens"] = ttft(ram.url, wl.body(p["pa"] + p["x1"], 2))
+        r2, _ = ttft(ram.url, wl.body(p["pa"] + p["x2"], 2))
+        row["ram_restore"], row["ram_restore_first"] = min(r1, r2), r1
         c["rows"][n] = row
         log(
             f"(c) {n} tokens: raw {row['raw_mlx_lm_ttft']:.3f}s  nocache {row['nocache_cold']:.3f}s  "
-            f"miss {row['cache_miss']:.3f}s  hot {row['hot_restore']:.3f}s ({row['hot_cached_tokens']} cached)"
+            f"miss {row['cache_miss']:.3f}s  hot {row['hot_restore']:.3f}s ({row['hot_cached_tokens']} cached)  "
+            f"RAM {row['ram_restore']:.3f}s ({row['ram_cached_tokens']} cached)"
         )
     srv.wait_ssd_writes()
     c["ssd_stats_before_restart"] = srv.cache_stats()
@@ -1112,7 +1127,7 @@ def part_c(
         row["nocache_extended_2"], _ = ttft(nc.url, wl.body(p["pa"] + p["x5"], 2))
         base = min(row["nocache_extended"], row["nocache_extended_2"])
         row["slower_with_cache"] = [
-            name for name in ("cache_miss", "hot_restore", "ssd_restore") if row[name] > base * 1.05
+            name for name in ("cache_miss", "hot_restore", "ram_restore", "ssd_restore") if row[name] > base * 1.05
         ]
         log(
             f"(c) {n} tokens after restart: ssd {row['ssd_restore']:.3f}s (first {s1:.3f}s, "
@@ -1151,7 +1166,7 @@ def print_table(r: dict[str, Any]) -> None:
         for n, row in r["c"].get("rows", {}).items():
             print(
                 f"(c) {n:>6} tok TTFT: raw {row['raw_mlx_lm_ttft']:.3f}s | no-cache {row['nocache_cold']:.3f}s | "
-                f"miss {row['cache_miss']:.3f}s | hot {row['hot_restore']:.3f}s | SSD after restart "
+                f"miss {row['cache_miss']:.3f}s | hot {row['hot_restore']:.3f}s | RAM {row.get('ram_restore', float('nan')):.3f}s | SSD after restart "
                 f"{row.get('ssd_restore', float('nan')):.3f}s | slower with cache: {row.get('slower_with_cache')}"
             )
         if r["c"].get("tiers"):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["CacheBlock", "HostTensors", "checksum", "checksum_host", "dtype_name", "from_host", "host_view", "to_host"]
+__all__ = ["CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "dtype_name", "from_host", "host_view", "to_host"]
 
 # name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
 HostTensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
@@ -42,6 +42,43 @@ class CacheBlock:
     def nbytes(self) -> int:
         """Bytes of tensor data (what the byte budgets of the tiers count)."""
         return sum(int(t.nbytes) for t in self.tensors.values())
+
+
+@dataclass
+class HostBlock:
+    """A block as bytes in host memory: what the warm (RAM) tier keeps and what the SSD
+    threads write and read. Holds no MLX arrays, so any thread may handle it."""
+
+    key: str
+    parent: str | None
+    fingerprint: str
+    token_count: int
+    layer_types: list[str]
+    host: HostTensors = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(data.nbytes) for _, _, data in self.host.values())
+
+    @classmethod
+    def of(cls, block: CacheBlock, *, copy: bool) -> HostBlock:
+        """`block`'s bytes (engine thread). `copy` detaches them from MLX's buffers: needed to
+        keep a block after its device arrays are gone; the SSD writer only needs a view."""
+        host = to_host(block.tensors)
+        if copy:
+            host = {name: (dt, shape, data.copy()) for name, (dt, shape, data) in host.items()}
+        return cls(block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host)
+
+    def to_block(self) -> CacheBlock:
+        """MLX arrays again (engine thread)."""
+        return CacheBlock(
+            key=self.key,
+            parent=self.parent,
+            fingerprint=self.fingerprint,
+            token_count=self.token_count,
+            layer_types=list(self.layer_types),
+            tensors=from_host(self.host),
+        )
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

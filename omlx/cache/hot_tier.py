@@ -1,4 +1,8 @@
-"""RAM (hot) tier: an LRU of blocks under one byte budget shared by all loaded models.
+"""The in-memory tiers: an LRU of blocks under one byte budget shared by all loaded models.
+
+The hot tier holds ``CacheBlock``s (MLX arrays where the model computes); on a discrete GPU
+the warm tier is another instance holding ``HostBlock``s (host bytes) that the hot tier
+hands over through ``on_evict``.
 
 Keys already include the model fingerprint, so blocks of different models live side by
 side and compete for the same budget; ``discard_fingerprint`` drops a model's blocks when
@@ -10,6 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from omlx.cache.block import CacheBlock
 
@@ -19,11 +25,12 @@ __all__ = ["HotTier"]
 class HotTier:
     """Thread-safe LRU of ``CacheBlock`` by key; ``max_bytes == 0`` disables the tier."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, on_evict: Callable[[Any], None] | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._max_bytes = int(max_bytes)
-        self._blocks: OrderedDict[str, CacheBlock] = OrderedDict()  # oldest first
+        self.on_evict = on_evict  # called with each block pushed out by the budget, outside the lock
+        self._blocks: OrderedDict[str, Any] = OrderedDict()  # oldest first
         self._sizes: dict[str, int] = {}
         self._bytes = 0
         self._lock = threading.Lock()
@@ -39,7 +46,7 @@ class HotTier:
     def enabled(self) -> bool:
         return self._max_bytes > 0
 
-    def get(self, key: str) -> CacheBlock | None:
+    def get(self, key: str) -> Any | None:
         """The block for ``key`` (now most recently used) or ``None``."""
         with self._lock:
             block = self._blocks.get(key)
@@ -56,26 +63,39 @@ class HotTier:
             return key in self._blocks
 
     def put(self, block: CacheBlock) -> bool:
-        """Store ``block``, evicting least recently used blocks to fit.
+        """Store ``block``, evicting least recently used blocks to fit (they go to
+        ``on_evict``, the next tier, if any).
 
-        Returns False (and stores nothing) when the tier is disabled or the block alone is
-        larger than the whole budget. Putting a key already present only refreshes it.
+        Returns False (and stores nothing here) when the tier is disabled or the block alone
+        is larger than the whole budget; such a block goes straight to ``on_evict``. Putting a
+        key already present only refreshes it.
         """
         size = block.nbytes
+        evicted = []
         with self._lock:
             if self._max_bytes <= 0 or size > self._max_bytes:
-                return False
-            if block.key in self._blocks:
+                stored = False
+                evicted.append(block)
+            elif block.key in self._blocks:
                 self._blocks.move_to_end(block.key)
                 return True
-            while self._blocks and self._bytes + size > self._max_bytes:
-                old_key, _ = self._blocks.popitem(last=False)
-                self._bytes -= self._sizes.pop(old_key)
-                self._evictions += 1
-            self._blocks[block.key] = block
-            self._sizes[block.key] = size
-            self._bytes += size
-            return True
+            else:
+                stored = True
+                while self._blocks and self._bytes + size > self._max_bytes:
+                    old_key, old = self._blocks.popitem(last=False)
+                    self._bytes -= self._sizes.pop(old_key)
+                    self._evictions += 1
+                    evicted.append(old)
+                self._blocks[block.key] = block
+                self._sizes[block.key] = size
+                self._bytes += size
+        self._hand_over(evicted)
+        return stored
+
+    def _hand_over(self, evicted: list[Any]) -> None:
+        if self.on_evict is not None:
+            for old in evicted:
+                self.on_evict(old)
 
     def discard(self, key: str) -> bool:
         """Drop one block (e.g. found inconsistent by the caller)."""
@@ -104,12 +124,15 @@ class HotTier:
         """Change the budget at run time (e.g. under memory pressure), evicting to fit."""
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        evicted = []
         with self._lock:
             self._max_bytes = int(max_bytes)
             while self._blocks and self._bytes > self._max_bytes:
-                old_key, _ = self._blocks.popitem(last=False)
+                old_key, old = self._blocks.popitem(last=False)
                 self._bytes -= self._sizes.pop(old_key)
                 self._evictions += 1
+                evicted.append(old)
+        self._hand_over(evicted)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from omlx.cache.block import CacheBlock
+from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.block_hash import block_keys, chain_key, model_fingerprint, weights_digest
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.ssd_tier import SSDTier
@@ -74,24 +74,35 @@ class CacheCounters:
 
 
 class CacheStore:
-    """The tiers shared by every loaded model; block keys include the model fingerprint."""
+    """The tiers shared by every loaded model; block keys include the model fingerprint.
 
-    def __init__(self, hot: HotTier, ssd: SSDTier | None, block_size: int):
+    `warm` (host RAM, for discrete GPUs) receives the blocks the hot tier evicts, as host
+    bytes; the hot tier's evictions happen on the engine thread that stores, so the copy
+    out of device memory does too."""
+
+    def __init__(self, hot: HotTier, ssd: SSDTier | None, block_size: int, warm: HotTier | None = None):
         self.hot = hot
+        self.warm = warm if warm is not None and warm.enabled else None
         self.ssd = ssd if ssd is not None and ssd.enabled else None
         self.block_size = block_size
         self.counters = CacheCounters()
+        if self.warm is not None:
+            warm_tier = self.warm
+            self.hot.on_evict = lambda block: warm_tier.put(HostBlock.of(block, copy=True))
 
     def stats(self) -> dict[str, Any]:
         return {
             "block_size": self.block_size,
             **self.counters.snapshot(),
             "hot": self.hot.stats(),
+            "warm": self.warm.stats() if self.warm else {"enabled": False},
             "ssd": self.ssd.stats() if self.ssd else {"enabled": False},
         }
 
     def clear(self) -> None:
         self.hot.clear()
+        if self.warm:
+            self.warm.clear()
         if self.ssd:
             self.ssd.clear()
 
@@ -131,6 +142,7 @@ class PrefixCache(PrefixCacheHooks):
         self.model_id = model_id
         self.prefill_rate = Throughput()  # tokens/s of recompute on this device
         self.ssd_rate = Throughput()  # bytes/s of SSD restores
+        self.warm_rate = Throughput()  # bytes/s of restores from host RAM (the warm tier)
         self.bytes_per_token = 0
         # parent key ("" = root) → children stored by this process, with their tokens
         self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
@@ -139,7 +151,7 @@ class PrefixCache(PrefixCacheHooks):
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         limit = len(tokens) - 1  # at least one token must be computed to get logits
         keys = block_keys(self.fp, tokens, self.B)
-        hot, ssd = self.tiers.hot, self.tiers.ssd
+        hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         blocks: list[CacheBlock] = []
         for i, key in enumerate(keys):
             if (i + 1) * self.B > limit:
@@ -148,6 +160,29 @@ class PrefixCache(PrefixCacheHooks):
             if block is None:
                 break
             blocks.append(block)
+        if warm is not None:
+            held = []
+            for i in range(len(blocks), len(keys)):
+                if (i + 1) * self.B > limit or not warm.contains(keys[i]):
+                    break
+                held.append(keys[i])
+            if held and self._restore_pays(len(held) * self.B, self.warm_rate):
+                tic = time.perf_counter()
+                got = []
+                for key in held:  # another engine may have pushed one out meanwhile: stop there
+                    host_block = warm.get(key)
+                    if host_block is None:
+                        break
+                    got.append(host_block.to_block())
+                if got:
+                    mx.eval([t for b in got for t in b.tensors.values()])
+                    self.warm_rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
+                    for block in got:
+                        hot.put(block)
+                    blocks += got
+            elif held:
+                with self.tiers.counters.lock:
+                    self.tiers.counters.skipped_restores += 1
         if ssd is not None:
             start = len(blocks)
             wanted = []
@@ -155,7 +190,7 @@ class PrefixCache(PrefixCacheHooks):
                 if (i + 1) * self.B > limit or not ssd.contains(keys[i], self.fp):
                     break
                 wanted.append(keys[i])
-            if wanted and self._restore_pays(len(wanted) * self.B):
+            if wanted and self._restore_pays(len(wanted) * self.B, self.ssd_rate):
                 tic = time.perf_counter()
                 loaded = ssd.get_many(wanted, self.fp)
                 got = []
@@ -185,11 +220,12 @@ class PrefixCache(PrefixCacheHooks):
             return None, 0
         return self._to_cache(parts), n
 
-    def _restore_pays(self, n_tokens: int) -> bool:
-        """Restore from SSD only when it beats recomputing those tokens on this device."""
-        if self.prefill_rate.value is None or self.ssd_rate.value is None or not self.bytes_per_token:
+    def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
+        """Restore from a tier (its measured bytes/s) only when that beats recomputing those
+        tokens on this device."""
+        if self.prefill_rate.value is None or rate.value is None or not self.bytes_per_token:
             return True  # no measurement yet: restoring is how we get one
-        restore_s = n_tokens * self.bytes_per_token / self.ssd_rate.value
+        restore_s = n_tokens * self.bytes_per_token / rate.value
         recompute_s = n_tokens / self.prefill_rate.value
         return restore_s < recompute_s
 
@@ -220,11 +256,17 @@ class PrefixCache(PrefixCacheHooks):
         return best
 
     def _get(self, key: str) -> CacheBlock | None:
-        """A block from the hot tier, else the SSD (promoted to hot); None if in neither."""
-        hot, ssd = self.tiers.hot, self.tiers.ssd
+        """A block from the hot tier, else RAM or the SSD (promoted to hot); None if in none."""
+        hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         if hot.contains(key):
             block = hot.get(key)
             if block is not None:
+                return block
+        if warm is not None and warm.contains(key):
+            held = warm.get(key)
+            if held is not None:
+                block = held.to_block()
+                hot.put(block)
                 return block
         if ssd is not None and ssd.contains(key, self.fp):
             block = ssd.get(key, self.fp)

@@ -21,6 +21,23 @@ def hot_tier_total_bytes() -> int:
     return gpu_memory_bytes() or psutil.virtual_memory().total
 
 
+def discrete_gpu() -> bool:
+    """Whether the model computes in memory of its own (CUDA), so host RAM is a tier apart."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def warm_tier_bytes(setting: str) -> int:
+    """`--ram-cache-max-size` in bytes; `auto` is 20% of RAM on a discrete GPU, else off."""
+    if setting == "auto":
+        setting = "20%" if discrete_gpu() else "0"
+    try:
+        return parse_size(setting, total=psutil.virtual_memory().total)
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for ram_cache_max_size: {exc}") from None
+
+
 def build_cache_store(settings: Settings) -> CacheStore | None:
     """None when the cache is off (`--no-cache`)."""
     if settings.no_cache:
@@ -29,6 +46,7 @@ def build_cache_store(settings: Settings) -> CacheStore | None:
         hot_bytes = parse_size(settings.hot_cache_max_size, total=hot_tier_total_bytes())
     except ValueError as exc:
         raise ConfigError(f"Invalid value for hot_cache_max_size: {exc}") from None
+    warm = HotTier(warm_tier_bytes(settings.ram_cache_max_size))
     ssd = None
     if not settings.hot_cache_only:
         cache_dir = settings.cache_dir
@@ -41,4 +59,4 @@ def build_cache_store(settings: Settings) -> CacheStore | None:
         except ValueError as exc:
             raise ConfigError(f"Invalid value for ssd_cache_max_size: {exc}") from None
         ssd = SSDTier(cache_dir, ssd_bytes)
-    return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size)
+    return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size, warm=warm)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize
 
-from omlx.cache.block import CacheBlock, HostTensors, checksum_host, from_host, to_host
+from omlx.cache.block import CacheBlock, HostBlock, HostTensors, checksum_host
 
 __all__ = ["SSDTier", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
 
@@ -117,41 +117,6 @@ def _parse_header(raw: bytes, n: int, file_size: int) -> tuple[dict[str, str], d
         if not isinstance(meta.get(field), str):
             raise CorruptBlockFile(f"metadata field {field!r} missing")
     return meta, header
-
-
-@dataclass
-class _Write:
-    """A block on its way to disk: its identity and its bytes in host memory (no MLX arrays,
-    so the writer thread never calls MLX)."""
-
-    key: str
-    parent: str | None
-    fingerprint: str
-    token_count: int
-    layer_types: list[str]
-    host: HostTensors
-
-
-@dataclass
-class _Read:
-    """A block read and verified from disk, not yet turned into MLX arrays."""
-
-    key: str
-    parent: str | None
-    fingerprint: str
-    token_count: int
-    layer_types: list[str]
-    host: HostTensors
-
-    def to_block(self) -> CacheBlock:
-        return CacheBlock(
-            key=self.key,
-            parent=self.parent,
-            fingerprint=self.fingerprint,
-            token_count=self.token_count,
-            layer_types=self.layer_types,
-            tensors=from_host(self.host),
-        )
 
 
 # safetensors dtype codes of the tensors a block can hold, as MLX dtype names
@@ -328,7 +293,7 @@ class SSDTier:
             reads = list(pool.map(lambda k: self._read(k, fingerprint), keys))
         return [r.to_block() if r is not None else None for r in reads]
 
-    def _read(self, key: str, fingerprint: str) -> _Read | None:
+    def _read(self, key: str, fingerprint: str) -> HostBlock | None:
         if not self.enabled or not _is_key(key):
             return None
         path = self.path_for(key)
@@ -362,7 +327,7 @@ class SSDTier:
                 self._bytes += size
         return read
 
-    def _load(self, path: Path, key: str, fingerprint: str) -> tuple[_Read, int]:
+    def _load(self, path: Path, key: str, fingerprint: str) -> tuple[HostBlock, int]:
         """Read a whole block file into memory and verify it: bytes and hashing only."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -395,7 +360,7 @@ class SSDTier:
             raise CorruptBlockFile(f"bad metadata: {exc}") from None
         if not isinstance(layer_types, list):
             raise CorruptBlockFile("layer_types is not a list")
-        read = _Read(
+        read = HostBlock(
             key=key,
             parent=meta.get("parent") or None,
             fingerprint=fingerprint,
@@ -428,10 +393,7 @@ class SSDTier:
                 return False
             self._pending.add(block.key)
             self._inflight += 1
-        item = _Write(
-            block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types),
-            to_host(block.tensors),  # evaluates; the only MLX work of a write, on the caller's thread
-        )  # fmt: skip
+        item = HostBlock.of(block, copy=False)  # the only MLX work of a write, on the caller's thread
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -465,7 +427,7 @@ class SSDTier:
             f.flush()
             os.fsync(f.fileno())
 
-    def _write_one(self, block: _Write) -> None:
+    def _write_one(self, block: HostBlock) -> None:
         if self._writes_disabled:
             with self._lock:
                 self._counters["dropped_writes"] += 1

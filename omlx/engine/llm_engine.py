@@ -115,6 +115,7 @@ class LLMEngine:
         self._waiting: deque[_Handle] = deque()
         self._running: dict[int, _Running] = {}
         self._by_request: dict[str, _Handle] = {}
+        self._prompt_stores: list[int] = []  # uids whose prompt blocks are stored next step
         self._outstanding = 0  # submitted and not finished; read/written on the event loop
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
@@ -272,6 +273,7 @@ class LLMEngine:
                 for state in list(self._running.values()):
                     self._finish(state, "error", error=f"engine failure: {exc}")
                 self._bg = self._new_batch_generator()
+                self._prompt_stores = []
             self.active_count = len(self._running)
             self.waiting_count = len(self._waiting)
 
@@ -367,6 +369,9 @@ class LLMEngine:
         self.prefix_cache.record(len(tokens), cached)
 
     def _step(self) -> None:
+        # Prompt blocks are stored one step after their prefill ends: that step produces the
+        # sequence's first token, which then goes out before the store's copy work.
+        due, self._prompt_stores = self._prompt_stores, []
         prompt_responses, generation_responses = self._bg.next()
         for pr in prompt_responses:
             if pr.end_of_prompt and pr.uid in self._running:
@@ -374,11 +379,8 @@ class LLMEngine:
                 self.prefix_cache.observe_prefill(
                     state.prompt_len - state.cached_tokens, time.perf_counter() - state.start
                 )
-                if not self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
-                    continue
-                cache_and_tokens = self._bg.extract_cache([pr.uid]).get(pr.uid)
-                if cache_and_tokens is not None:
-                    self._store(list(cache_and_tokens[1]), cache_and_tokens[0], final=False)
+                if self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
+                    self._prompt_stores.append(pr.uid)
         touched: list[_Running] = []
         for r in generation_responses:
             state = self._running.get(r.uid)
@@ -389,6 +391,16 @@ class LLMEngine:
                 touched.append(state)
         for state in touched:
             self._flush(state)
+        for uid in due:
+            state = self._running.get(uid)
+            if state is None:  # a sequence that already finished was stored whole
+                continue
+            cache_and_tokens = self._bg.extract_cache([uid]).get(uid)
+            if cache_and_tokens is not None:
+                # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
+                # so the same prompt finds it again (also after a restart)
+                prompt = list(cache_and_tokens[1])[: state.prompt_len]
+                self._store(prompt, cache_and_tokens[0], final=False)
 
     def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
         """Caching is an optimisation: its failure is logged, never fails the request."""
@@ -421,9 +433,9 @@ class LLMEngine:
                 self._bg.remove([r.uid])
             self._finish(state, "stop")
         elif r.finish_reason is not None:
+            self._finish(state, r.finish_reason)  # the answer goes out first, then the copy work
             if r.prompt_cache is not None and r.all_tokens is not None:
                 self._store(list(r.all_tokens), r.prompt_cache, final=True)
-            self._finish(state, r.finish_reason)
 
     def _flush(self, state: _Running) -> None:
         ev = state.pending

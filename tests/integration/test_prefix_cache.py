@@ -134,6 +134,46 @@ def test_eviction_under_tiny_budgets(tiny_model_dir, tmp_path):
         server.stop()
 
 
+def test_blocks_evicted_from_the_hot_tier_are_restored_from_the_ram_tier(tiny_model_dir, tmp_path):
+    # The RAM tier is on by default only on a discrete GPU; a size turns it on here. No SSD, a
+    # hot tier of two blocks: the first prompt's blocks can only come back from RAM.
+    server = start(
+        tmp_path / "home", tiny_model_dir, "--hot-cache-only", "--hot-cache-max-size", "600KiB",
+        "--ram-cache-max-size", "64MiB",
+    )  # fmt: skip
+    try:
+        first = ask(server, "question one")
+        assert first["cached"] == 0
+        for i in range(3):
+            ask(server, f"question {i}", system=f"system prompt variant {i} " * 60)
+        before = stats(server)
+        assert before["hot"]["evictions"] > 0 and before["warm"]["blocks"] > 0
+        again = ask(server, "question one")
+        after = stats(server)
+        assert again["text"] == first["text"]  # a hit restored from RAM equals the miss
+        assert again["cached"] >= BLOCK * (first["prompt"] // BLOCK) - BLOCK
+        assert after["warm"]["hits"] > before["warm"]["hits"]
+        assert after["ssd"] == {"enabled": False}
+    finally:
+        server.stop()
+
+
+def test_ram_tier_default_follows_the_device(tiny_model_dir, tmp_path):
+    import psutil
+
+    from omlx.cache.setup import discrete_gpu
+
+    server = start(tmp_path / "home", tiny_model_dir)
+    try:
+        warm = stats(server)["warm"]
+        if discrete_gpu():  # device memory is the hot tier: host RAM is a tier of its own
+            assert warm["max_bytes"] == int(psutil.virtual_memory().total * 0.20)
+        else:  # CPU / Apple silicon: the hot tier already is RAM
+            assert warm == {"enabled": False}
+    finally:
+        server.stop()
+
+
 def _chain(home: Path) -> list[Path]:
     """Block files of the first stored prompt in chain order (root first), by their headers."""
     from omlx.cache.ssd_tier import read_header

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx.cache.block import CacheBlock, checksum
+from omlx.cache.block import CacheBlock, HostBlock, checksum
 from omlx.cache.block_hash import block_keys, model_fingerprint, weights_digest
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.sizes import parse_size
@@ -759,3 +759,17 @@ def test_parse_size_ok(text: str, total: int | None, expected: int) -> None:
 def test_parse_size_errors(text: str, total: int | None, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_size(text, total=total)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
+    block = make_block(3, dtype=dtype)
+    held = HostBlock.of(block, copy=True)
+    assert held.nbytes == block.nbytes
+    back = held.to_block()
+    for name, t in block.tensors.items():
+        assert back.tensors[name].dtype == t.dtype
+        assert mx.array_equal(back.tensors[name], t).item()
+    # a copy owns its bytes: nothing of the MLX arrays is kept alive through it
+    assert all(data.flags.owndata for _, _, data in held.host.values())
+    assert (held.key, held.parent, held.token_count) == (block.key, block.parent, block.token_count)

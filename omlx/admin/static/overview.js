@@ -88,6 +88,7 @@ function cachePanel(cache) {
       h("dt", "Hit rate (tokens)"), h("dd", fmt.pct(cache.hit_rate || 0)),
       h("dt", "Block size"), h("dd", `${cache.block_size} tokens`)),
     tier("Hot tier", cache.hot),
+    ...(cache.warm && cache.warm.enabled !== false ? [tier("RAM tier", cache.warm)] : []),
     tier("SSD tier", cache.ssd)));
 }
 
