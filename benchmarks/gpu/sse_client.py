@@ -27,7 +27,12 @@ def stream_completion(
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+        deadline = sent + timeout
         for line in r.iter_lines():
+            # keep-alive comments keep httpx's read timeout from ever firing on a stuck
+            # request, so the whole request gets a wall-clock limit too
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"no complete answer within {timeout:.0f} s")
             if not line.startswith("data: "):
                 continue
             data = line[6:]

@@ -125,6 +125,43 @@ class Throughput:
         self.value = rate if self.value is None else (1 - self.alpha) * self.value + self.alpha * rate
 
 
+class PrefillCost:
+    """Seconds this device takes to prefill n tokens after d cached ones, learned from the
+    engine's own prefills: t ≈ a·n + b·n·(d + n/2), a per-token cost plus attention over the
+    context, fitted by least squares with older observations fading out. Restoring from a
+    tier pays when it beats this for the same tokens, so the decision holds at any depth."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._xx = [[0.0, 0.0], [0.0, 0.0]]
+        self._xt = [0.0, 0.0]
+        self.observations = 0
+
+    def observe(self, n: int, depth: int, seconds: float) -> None:
+        if n <= 0 or seconds <= 0:
+            return
+        x = (float(n), n * (depth + n / 2))
+        for i in range(2):
+            self._xt[i] = self.decay * self._xt[i] + x[i] * seconds
+            for j in range(2):
+                self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
+        self.observations += 1
+
+    def seconds(self, n: int, depth: int = 0) -> float | None:
+        """Predicted seconds, or None before the first observation."""
+        if not self.observations:
+            return None
+        (p, q), (_, r) = self._xx
+        det = p * r - q * q
+        a = b = 0.0
+        if det > 1e-9 * p * r:
+            a = (self._xt[0] * r - q * self._xt[1]) / det
+            b = (p * self._xt[1] - q * self._xt[0]) / det
+        if a <= 0 or b < 0:  # too few distinct prefills to separate the terms: per-token cost only
+            a, b = self._xt[0] / p, 0.0
+        return a * n + b * n * (depth + n / 2)
+
+
 def sliceable(model: Any) -> tuple[bool, str]:
     """Only plain KVCache layers can be cut into token ranges and concatenated back."""
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
@@ -140,7 +177,7 @@ class PrefixCache(PrefixCacheHooks):
         self.B = store.block_size
         self.num_layers = num_layers
         self.model_id = model_id
-        self.prefill_rate = Throughput()  # tokens/s of recompute on this device
+        self.prefill = PrefillCost()  # recompute cost on this device, by length and depth
         self.ssd_rate = Throughput()  # bytes/s of SSD restores
         self.warm_rate = Throughput()  # bytes/s of restores from host RAM (the warm tier)
         self.bytes_per_token = 0
@@ -223,10 +260,10 @@ class PrefixCache(PrefixCacheHooks):
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
         """Restore from a tier (its measured bytes/s) only when that beats recomputing those
         tokens on this device."""
-        if self.prefill_rate.value is None or rate.value is None or not self.bytes_per_token:
+        recompute_s = self.prefill.seconds(n_tokens)  # the restored tokens start at depth 0
+        if recompute_s is None or rate.value is None or not self.bytes_per_token:
             return True  # no measurement yet: restoring is how we get one
         restore_s = n_tokens * self.bytes_per_token / rate.value
-        recompute_s = n_tokens / self.prefill_rate.value
         return restore_s < recompute_s
 
     def _find_tail(self, parent: str | None, rest: list[int]) -> tuple[CacheBlock | None, int]:
@@ -359,8 +396,8 @@ class PrefixCache(PrefixCacheHooks):
         copy is small next to the prefill; short prompts are stored when they finish."""
         return prompt_tokens - cached_tokens >= self.B
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self.prefill_rate.observe(tokens, seconds)
+    def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
+        self.prefill.observe(tokens, depth, seconds)
 
 
 def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:

@@ -49,8 +49,9 @@ class PrefixCacheHooks:
         """Whether a just-prefilled prompt has new full blocks worth extracting now."""
         return False
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Measured recompute speed, for restore-or-recompute decisions."""
+    def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
+        """A measured prefill (`tokens` computed after `depth` restored ones), for
+        restore-or-recompute decisions."""
         return None
 
 
@@ -377,7 +378,7 @@ class LLMEngine:
             if pr.end_of_prompt and pr.uid in self._running:
                 state = self._running[pr.uid]
                 self.prefix_cache.observe_prefill(
-                    state.prompt_len - state.cached_tokens, time.perf_counter() - state.start
+                    state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
                 )
                 if self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
                     self._prompt_stores.append(pr.uid)

@@ -773,3 +773,18 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
     # a copy owns its bytes: nothing of the MLX arrays is kept alive through it
     assert all(data.flags.owndata for _, _, data in held.host.values())
     assert (held.key, held.parent, held.token_count) == (block.key, block.parent, block.token_count)
+
+
+def test_prefill_cost_learns_per_token_and_attention_terms() -> None:
+    from omlx.cache.prefix_cache import PrefillCost
+
+    cost = PrefillCost()
+    assert cost.seconds(100) is None  # nothing measured: the caller restores to get a measurement
+    cost.observe(1000, 0, 2.0)
+    assert cost.seconds(2000) == pytest.approx(4.0)  # one prefill: per-token cost only
+    a, b = 1e-4, 2e-8  # what a GPU looks like: attention makes long prompts superlinear
+    cost = PrefillCost()
+    for n, depth in [(8000, 0), (2000, 0), (500, 6000), (32000, 0), (128, 200), (4000, 4000)]:
+        cost.observe(n, depth, a * n + b * n * (depth + n / 2))
+    for n, depth in [(8000, 0), (32000, 0), (100, 0), (256, 30000)]:
+        assert cost.seconds(n, depth) == pytest.approx(a * n + b * n * (depth + n / 2), rel=0.05)
