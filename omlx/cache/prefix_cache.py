@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,52 +199,16 @@ class PrefixCache(PrefixCacheHooks):
                 break
             blocks.append(block)
         if warm is not None:
-            held = []
-            for i in range(len(blocks), len(keys)):
-                if (i + 1) * self.B > limit or not warm.contains(keys[i]):
-                    break
-                held.append(keys[i])
-            if held and self._restore_pays(len(held) * self.B, self.warm_rate):
-                tic = time.perf_counter()
-                got = []
-                for key in held:  # another engine may have pushed one out meanwhile: stop there
-                    host_block = warm.get(key)
-                    if host_block is None:
-                        break
-                    got.append(host_block.to_block())
-                if got:
-                    mx.eval([t for b in got for t in b.tensors.values()])
-                    self.warm_rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
-                    for block in got:
-                        hot.put(block)
-                    blocks += got
-            elif held:
-                with self.tiers.counters.lock:
-                    self.tiers.counters.skipped_restores += 1
+            blocks += self._restore_run(
+                keys, len(blocks), limit, warm.contains,
+                lambda run: ((held.to_block() if (held := warm.get(k)) is not None else None) for k in run),
+                self.warm_rate,
+            )  # fmt: skip
         if ssd is not None:
-            start = len(blocks)
-            wanted = []
-            for i in range(start, len(keys)):
-                if (i + 1) * self.B > limit or not ssd.contains(keys[i], self.fp):
-                    break
-                wanted.append(keys[i])
-            if wanted and self._restore_pays(len(wanted) * self.B, self.ssd_rate):
-                tic = time.perf_counter()
-                loaded = ssd.get_many(wanted, self.fp)
-                got = []
-                for block in loaded:
-                    if block is None:
-                        break
-                    got.append(block)
-                if got:
-                    mx.eval([t for b in got for t in b.tensors.values()])
-                    self.ssd_rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
-                    for block in got:
-                        hot.put(block)
-                    blocks += got
-            elif wanted:
-                with self.tiers.counters.lock:
-                    self.tiers.counters.skipped_restores += 1
+            blocks += self._restore_run(
+                keys, len(blocks), limit, lambda k: ssd.contains(k, self.fp),
+                lambda run: ssd.get_many(run, self.fp), self.ssd_rate,
+            )  # fmt: skip
         n = len(blocks) * self.B
         parts = [(b, self.B) for b in blocks]
         tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:])
@@ -256,6 +221,42 @@ class PrefixCache(PrefixCacheHooks):
         if not parts:
             return None, 0
         return self._to_cache(parts), n
+
+    def _restore_run(
+        self,
+        keys: list[str],
+        start: int,
+        limit: int,
+        contains: Callable[[str], bool],
+        fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
+        rate: Throughput,
+    ) -> list[CacheBlock]:
+        """The run of blocks from `keys[start]` on that a lower tier holds, restored (and
+        promoted to hot) when that beats recomputing them; `fetch` yields None for a block
+        that has gone meanwhile, which ends the run."""
+        run = []
+        for i in range(start, len(keys)):
+            if (i + 1) * self.B > limit or not contains(keys[i]):
+                break
+            run.append(keys[i])
+        if not run:
+            return []
+        if not self._restore_pays(len(run) * self.B, rate):
+            with self.tiers.counters.lock:
+                self.tiers.counters.skipped_restores += 1
+            return []
+        tic = time.perf_counter()
+        got = []
+        for block in fetch(run):
+            if block is None:
+                break
+            got.append(block)
+        if got:
+            mx.eval([t for b in got for t in b.tensors.values()])
+            rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
+            for block in got:
+                self.tiers.hot.put(block)
+        return got
 
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
         """Restore from a tier (its measured bytes/s) only when that beats recomputing those

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omlx.engine.llm_engine import LLMEngine
-from omlx.engine.request import GenerationEvent, GenerationRequest, TokenLogprob
+from omlx.engine.request import GenerationEvent, GenerationRequest
 from omlx.errors import EngineError, InvalidRequestError
 
 
@@ -42,31 +42,13 @@ def completion_budget(
 
 
 @dataclass
-class Collected:
-    """All events of one sequence folded into a final result."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
+class Collected(GenerationEvent):
+    """All events of one sequence folded into a final result (an engine error is raised)."""
 
     def add(self, ev: GenerationEvent) -> None:
-        self.text += ev.text
-        self.token_ids += ev.token_ids
-        self.logprobs += ev.logprobs
-        if ev.prompt_logprobs is not None:
-            self.prompt_logprobs = ev.prompt_logprobs
-        if ev.finish_reason is not None:
-            if ev.finish_reason == "error":
-                raise EngineError(ev.error or "generation failed")
-            self.finish_reason = ev.finish_reason
-            self.prompt_tokens = ev.prompt_tokens
-            self.cached_tokens = ev.cached_tokens
-            self.completion_tokens = ev.completion_tokens
+        if ev.finish_reason == "error":
+            raise EngineError(ev.error or "generation failed")
+        self.merge(ev)
 
 
 async def collect(engine: LLMEngine, requests: list[GenerationRequest]) -> list[Collected]:
