@@ -28,6 +28,9 @@ embedding works on interleaved pairs, Hugging Face's on halves); the importer un
 that so the weights match the Hugging Face layout mlx-lm expects.  qwen2/qwen3 GGUF files
 are not permuted.  The permutation is row-wise, so it is applied to packed quantized
 rows, scales and biases alike.
+
+Reading the file is in :mod:`omlx.models.gguf_reader`, the tokenizer rebuild in
+:mod:`omlx.models.gguf_tokenizer`; this module converts the weights and writes the folder.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from omlx.models.gguf_reader import GGUFImportError, need, open_reader, read_gguf_metadata
+from omlx.models.gguf_tokenizer import SUPPORTED_PRE_TOKENIZERS, build_tokenizer
 
 __all__ = [
     "GGUFImportError",
@@ -70,41 +76,8 @@ _HF_ARCH_NAMES = {
 # Architectures whose GGUF converter permutes the rows of attn_q / attn_k.
 _PERMUTED_QK = {"llama"}
 
-_GGUF_MAGIC = b"GGUF"
 _SHARD_BYTES = 4 << 30  # split the weights above 4 GiB
 
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# tokenizer.ggml.pre value -> pre-tokenizer family
-_PRE_TOKENIZER_FAMILIES: dict[str, str] = {
-    # StarCoder-style: every digit on its own, then GPT-2 byte-level regex
-    "smollm": "digits+bytelevel",
-    "starcoder": "digits+bytelevel",
-    "refact": "digits+bytelevel",
-    # Qwen2 regex (single digits)
-    "qwen2": "qwen2",
-    "deepseek-r1-qwen": "qwen2",
-    # Llama 3 regex (digits in groups of up to three)
-    "llama-bpe": "llama3",
-    "llama3": "llama3",
-    "smaug-bpe": "llama3",
-    # Plain GPT-2 byte-level
-    "gpt-2": "gpt2",
-    "gpt2": "gpt2",
-    "default": "gpt2",
-}
-SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE_TOKENIZER_FAMILIES))
-
-# GGUF token types
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 2, 3, 4
-_TOKEN_UNUSED, _TOKEN_BYTE = 5, 6
 
 _LAYER_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
@@ -137,104 +110,6 @@ _QUANTIZABLE_SUFFIXES = (
     "lm_head",
 )
 _BLK_RE = re.compile(r"^blk\.(\d+)\.([A-Za-z0-9_]+)\.(weight|bias)$")
-
-
-class GGUFImportError(ValueError):
-    """A GGUF file cannot be imported; the message says why and what to do."""
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def _check_header(path: Path) -> int:
-    """Check that *path* looks like a GGUF file; return its size."""
-    if not path.exists():
-        raise GGUFImportError(f"GGUF file not found: {path}. Check the path and try again.")
-    if not path.is_file():
-        raise GGUFImportError(f"{path} is not a file; pass the path of a .gguf file.")
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-    if size == 0:
-        raise GGUFImportError(
-            f"{path} is empty (0 bytes): the download or copy did not complete. "
-            "Download the GGUF file again."
-        )
-    if head[:4] != _GGUF_MAGIC:
-        if head[:4] in (b"lmgg", b"fmgg", b"tjgg", b"ggml", b"ggmf", b"ggjt"):
-            raise GGUFImportError(
-                f"{path} is an old GGML-format model (pre-GGUF). Convert it to GGUF with "
-                "llama.cpp's conversion tools, or download a .gguf build of the model."
-            )
-        raise GGUFImportError(
-            f"{path} is not a GGUF file (it does not start with the 'GGUF' magic bytes; "
-            f"found {head[:4]!r}). Pass a .gguf model file; for a Hugging Face/MLX model "
-            "folder (config.json + *.safetensors) load the folder directly instead."
-        )
-    if size < 24:
-        raise GGUFImportError(
-            f"{path} is truncated ({size} bytes, shorter than a GGUF header). "
-            "Download the GGUF file again."
-        )
-    return size
-
-
-def _open_reader(path: Path):
-    import gguf
-
-    size = _check_header(path)
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises ValueError/IndexError/KeyError/...
-        raise GGUFImportError(
-            f"{path} is truncated or corrupt: it starts like a GGUF file but cannot be parsed "
-            f"({size} bytes on disk; reader error: {type(exc).__name__}: {exc}). Download it "
-            "again and check its size or checksum against the source."
-        ) from exc
-    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
-    if end > size:
-        raise GGUFImportError(
-            f"{path} is truncated: its tensors need {end} bytes but the file has {size}. "
-            "The download or copy did not complete; download the GGUF file again."
-        )
-    return reader
-
-
-def _field_value(field) -> Any:
-    from gguf import GGUFValueType
-
-    if not field.types:
-        return None
-    value = field.contents()
-    if field.types[0] == GGUFValueType.ARRAY:
-        return list(value)
-    return value
-
-
-def read_gguf_metadata(reader) -> dict[str, Any]:
-    """All key/value metadata of an open ``gguf.GGUFReader`` as plain Python values."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = _field_value(field)
-        except Exception as exc:
-            raise GGUFImportError(
-                f"metadata key {key!r} could not be decoded ({exc}); the file is corrupt. "
-                "Download the GGUF file again."
-            ) from exc
-    return meta
-
-
-def _need(meta: dict[str, Any], key: str) -> Any:
-    if key not in meta or meta[key] is None:
-        raise GGUFImportError(
-            f"GGUF metadata lacks {key!r}, which is needed to build the model config; "
-            "the file is incomplete or was written by an unusual converter. Re-convert the "
-            "model with a current llama.cpp."
-        )
-    return meta[key]
 
 
 # --------------------------------------------------------------------------- tensors
@@ -441,8 +316,8 @@ def _build_config(
     tie: bool,
 ) -> dict[str, Any]:
     p = arch + "."
-    hidden = int(_need(meta, p + "embedding_length"))
-    n_heads = int(_need(meta, p + "attention.head_count"))
+    hidden = int(need(meta, p + "embedding_length"))
+    n_heads = int(need(meta, p + "attention.head_count"))
     n_kv = meta.get(p + "attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):  # per-layer head counts (not for these architectures)
         if len(set(n_kv)) != 1:
@@ -459,7 +334,7 @@ def _build_config(
             f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported "
             f"for {arch}."
         )
-    ffn = _need(meta, p + "feed_forward_length")
+    ffn = need(meta, p + "feed_forward_length")
     if isinstance(ffn, list):
         if len(set(ffn)) != 1:
             raise GGUFImportError("per-layer feed-forward sizes are not supported.")
@@ -470,7 +345,7 @@ def _build_config(
         "model_type": SUPPORTED_ARCHITECTURES[arch],
         "hidden_size": hidden,
         "intermediate_size": int(ffn),
-        "num_hidden_layers": int(_need(meta, p + "block_count")),
+        "num_hidden_layers": int(need(meta, p + "block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
         "head_dim": head_dim,
@@ -502,175 +377,6 @@ def _build_config(
     elif scaling_type not in (None, "none", "linear"):
         raise GGUFImportError(f"RoPE scaling type {scaling_type!r} is not supported.")
     return config
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def _pre_tokenizer(pre: str | None):
-    from tokenizers import Regex, pre_tokenizers
-
-    family = _PRE_TOKENIZER_FAMILIES.get(pre or "default")
-    if family is None:
-        raise GGUFImportError(
-            f"unsupported tokenizer pre-tokenizer {pre!r} (tokenizer.ggml.pre). Supported: "
-            f"{', '.join(SUPPORTED_PRE_TOKENIZERS)}. A wrong pre-tokenizer would split text "
-            "differently from the model's training, so the import stops here."
-        )
-    if family == "digits+bytelevel":
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    if family in ("qwen2", "llama3"):
-        pattern = _QWEN2_REGEX if family == "qwen2" else _LLAMA3_REGEX
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
-
-def _token_at(tokens: list[str], idx: Any) -> str | None:
-    if idx is None:
-        return None
-    idx = int(idx)
-    return tokens[idx] if 0 <= idx < len(tokens) else None
-
-
-def _build_tokenizer(meta: dict[str, Any]):
-    """Return (tokenizers.Tokenizer, tokenizer_config, special_tokens_map, gen_ids)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind is None:
-        raise GGUFImportError(
-            "the GGUF file has no tokenizer (tokenizer.ggml.model is missing); this importer "
-            "needs the vocabulary embedded in the file."
-        )
-    if kind != "gpt2":
-        raise GGUFImportError(
-            f"tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2', used by "
-            "Llama 3, Qwen2/3, SmolLM2 and most recent models) is. SentencePiece ('llama') "
-            "vocabularies are not imported yet."
-        )
-    tokens: list[str] = list(_need(meta, "tokenizer.ggml.tokens"))
-    types = list(meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
-    merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
-    if len(types) != len(tokens):
-        raise GGUFImportError("tokenizer.ggml.token_type and tokens differ in length; corrupt.")
-
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
-    merges: list[tuple[str, str]] = []
-    for m in merges_raw:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise GGUFImportError(f"malformed BPE merge {m!r} in tokenizer.ggml.merges.")
-        merges.append((a, b))
-
-    pre = meta.get("tokenizer.ggml.pre")
-    pre_tokenizer = _pre_tokenizer(pre)  # raises for an unsupported one
-    family = _PRE_TOKENIZER_FAMILIES[pre or "default"]
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=merges,
-        fuse_unk=False,
-        byte_fallback=False,
-        ignore_merges=(family == "llama3"),
-    )
-    tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizer
-    tok.decoder = decoders.ByteLevel()
-
-    specials = [
-        AddedToken(t, special=True, normalized=False)
-        for t, ty in zip(tokens, types, strict=True)
-        if ty in (_TOKEN_CONTROL, _TOKEN_UNKNOWN)
-    ]
-    user = [
-        AddedToken(t, special=False, normalized=False)
-        for t, ty in zip(tokens, types, strict=True)
-        if ty == _TOKEN_USER_DEFINED
-    ]
-    if specials:
-        tok.add_special_tokens(specials)
-    if user:
-        tok.add_tokens(user)
-
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
-    bos = _token_at(tokens, bos_id)
-    eos = _token_at(tokens, eos_id)
-    unk = _token_at(tokens, meta.get("tokenizer.ggml.unknown_token_id"))
-    pad = _token_at(tokens, meta.get("tokenizer.ggml.padding_token_id"))
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-
-    if add_bos or add_eos:
-        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        pair = (
-            single
-            + ([f"{bos}:1"] if add_bos else [])
-            + ["$B:1"]
-            + ([f"{eos}:1"] if add_eos else [])
-        )
-        special_ids = []
-        if add_bos:
-            special_ids.append((bos, int(bos_id)))
-        if add_eos and eos != bos:
-            special_ids.append((eos, int(eos_id)))
-        tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=special_ids
-        )
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-
-    special_map: dict[str, Any] = {}
-    for key, value in (
-        ("bos_token", bos),
-        ("eos_token", eos),
-        ("unk_token", unk),
-        ("pad_token", pad),
-    ):
-        if value is not None:
-            special_map[key] = value
-
-    tok_config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        **special_map,
-    }
-    ctx = next((v for k, v in meta.items() if k.endswith(".context_length")), None)
-    if ctx:
-        tok_config["model_max_length"] = int(ctx)
-    template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str):
-        tok_config["chat_template"] = template
-
-    eos_ids: list[int] = []
-    for key in (
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.eot_token_id",
-        "tokenizer.ggml.eom_token_id",
-    ):
-        v = meta.get(key)
-        if v is not None and int(v) not in eos_ids and 0 <= int(v) < len(tokens):
-            eos_ids.append(int(v))
-    ids = {
-        "bos_token_id": int(bos_id) if bos is not None else None,
-        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
-        "pad_token_id": int(meta["tokenizer.ggml.padding_token_id"]) if pad is not None else None,
-    }
-    return tok, tok_config, special_map, ids
 
 
 # --------------------------------------------------------------------------- writing
@@ -743,7 +449,7 @@ def import_gguf(
         raise GGUFImportError(f"q_bits must be 4, 8 or None, not {q_bits!r}.")
 
     report("reading", 0.0)
-    reader = _open_reader(gguf_path)
+    reader = open_reader(gguf_path)
     meta = read_gguf_metadata(reader)
     report("reading", 1.0)
 
@@ -773,10 +479,10 @@ def import_gguf(
         raise GGUFImportError("the file has no token_embd.weight tensor; it is incomplete.")
 
     p = arch + "."
-    n_heads = int(_need(meta, p + "attention.head_count"))
+    n_heads = int(need(meta, p + "attention.head_count"))
     n_kv = meta.get(p + "attention.head_count_kv", n_heads)
     n_kv = int(n_kv[0] if isinstance(n_kv, list) else n_kv)
-    n_layers = int(_need(meta, p + "block_count"))
+    n_layers = int(need(meta, p + "block_count"))
     tie = "lm_head.weight" not in by_name
 
     # The row count of token_embd is the real vocabulary size of the model.
@@ -833,7 +539,7 @@ def import_gguf(
 
     # Tokenizer first: it is cheap and fails fast on unsupported vocabularies.
     report("tokenizer", 0.0)
-    tokenizer, tok_config, special_map, ids = _build_tokenizer(meta)
+    tokenizer, tok_config, special_map, ids = build_tokenizer(meta)
     report("tokenizer", 1.0)
 
     # Convert the tensors.
