@@ -93,6 +93,14 @@ def _gpu_total_bytes(dev: dict[str, Any]) -> int | None:
     return int(total) if total else None
 
 
+def discrete_gpu() -> bool:
+    """The default device is a CUDA GPU: memory of its own, so host RAM is a separate tier
+    (unlike a CPU, or Apple silicon's unified memory)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def gpu_memory_bytes() -> int | None:
     """Total memory of the default device when it is a GPU (device memory on CUDA,
     unified memory on Apple silicon); None on a CPU."""

@@ -11,7 +11,7 @@ from omlx.cache.prefix_cache import CacheStore
 from omlx.cache.sizes import parse_size
 from omlx.cache.ssd_tier import SSDTier
 from omlx.errors import ConfigError
-from omlx.platform_info import gpu_memory_bytes
+from omlx.platform_info import discrete_gpu, gpu_memory_bytes
 from omlx.settings import Settings
 
 
@@ -19,13 +19,6 @@ def hot_tier_total_bytes() -> int:
     """What a `%` hot budget is a share of: the GPU's memory (device memory on CUDA, unified
     memory on Apple silicon), else RAM."""
     return gpu_memory_bytes() or psutil.virtual_memory().total
-
-
-def discrete_gpu() -> bool:
-    """Whether the model computes in memory of its own (CUDA), so host RAM is a tier apart."""
-    import mlx.core as mx
-
-    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def warm_tier_bytes(setting: str) -> int:

@@ -161,7 +161,7 @@ def test_blocks_evicted_from_the_hot_tier_are_restored_from_the_ram_tier(tiny_mo
 def test_ram_tier_default_follows_the_device(tiny_model_dir, tmp_path):
     import psutil
 
-    from omlx.cache.setup import discrete_gpu
+    from omlx.platform_info import discrete_gpu
 
     server = start(tmp_path / "home", tiny_model_dir)
     try:
