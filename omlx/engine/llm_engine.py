@@ -4,12 +4,15 @@ The asyncio side calls `generate()`, which puts the request in the engine's inbo
 and yields `GenerationEvent`s as the thread produces them. The thread admits
 requests into mlx-lm's `BatchGenerator` (continuous batching, chunked prefill),
 restores cached prefixes, turns tokens into text with stop strings applied, and
-stores new prefix-cache blocks.
+stores new prefix-cache blocks. A request that arrives to an idle engine runs as a
+`SoloSequence` (mlx-lm's single-sequence loop, cheaper per step) until a second one
+arrives; then it joins the `BatchGenerator` with its cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
@@ -20,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
+from omlx.engine.solo import SoloSequence
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.loader import LoadedLLM
@@ -76,6 +80,11 @@ class _Running:
     prompt_len: int
     cached_tokens: int
     start: float
+    sampler: Any = None  # kept for a hand-off: a seeded sampler's key state goes with it
+    processors: list[Any] = field(default_factory=list)
+    stop_sequences: Any = None
+    solo: SoloSequence | None = None  # set while the request runs outside the BatchGenerator
+    store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
     first_token: float | None = None
     completion_tokens: int = 0
     pending: GenerationEvent = field(default_factory=GenerationEvent)
@@ -90,6 +99,7 @@ class LLMEngine:
         max_concurrent: int = 8,
         max_waiting: int = 64,
         prefill_step_size: int = 512,
+        solo: bool = True,
         prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
         on_finished: Callable[[str, dict[str, Any]], None] | None = None,
     ):
@@ -106,6 +116,7 @@ class LLMEngine:
         self.max_concurrent = max_concurrent
         self.max_waiting = max_waiting
         self.prefill_step_size = prefill_step_size
+        self.solo_enabled = solo  # a lone request decodes outside the BatchGenerator
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -117,6 +128,9 @@ class LLMEngine:
         self._running: dict[int, _Running] = {}
         self._by_request: dict[str, _Handle] = {}
         self._prompt_stores: list[int] = []  # uids whose prompt blocks are stored next step
+        self._solo_uid: int | None = None  # the request running as a SoloSequence, if any
+        self._solo_uids = itertools.count(-1, -1)  # never collide with BatchGenerator's uids
+        self.solo_handoffs = 0  # solo sequences moved into the BatchGenerator
         self._outstanding = 0  # submitted and not finished; read/written on the event loop
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
@@ -247,6 +261,15 @@ class LLMEngine:
                 finished += sum(1 for r in generated if r.finish_reason is not None)
                 if finished == 3:
                     break
+            if self.solo_enabled:  # chunked prefill, then pipelined decode, on a plain cache
+                solo = SoloSequence(
+                    self.model, ids[:11], cache=None, cached=[], sampler=None,
+                    logits_processors=build_logits_processors(sampled), prefill_step_size=4,
+                )
+                while not solo.prefill():
+                    pass
+                for launch in (True, True, False):
+                    solo.next(launch=launch)
         except Exception:  # a warm-up is an optimisation; the model still serves
             log.warning("warm-up of %s failed", self.model_id, exc_info=True)
             self._bg.close()
@@ -275,6 +298,7 @@ class LLMEngine:
                     self._finish(state, "error", error=f"engine failure: {exc}")
                 self._bg = self._new_batch_generator()
                 self._prompt_stores = []
+                self._solo_uid = None
             self.active_count = len(self._running)
             self.waiting_count = len(self._waiting)
 
@@ -313,11 +337,20 @@ class LLMEngine:
             return
         for uid, state in list(self._running.items()):
             if state.handle is handle:
-                self._bg.remove([uid])
+                self._drop(state)
                 del self._running[uid]
                 self._log_finished(state, "cancelled")
 
+    def _drop(self, state: _Running) -> None:
+        """Stop computing a sequence that ends before its generator says so."""
+        if state.solo is not None:
+            self._solo_uid = None
+        else:
+            self._bg.remove([state.uid])
+
     def _admit(self) -> None:
+        if self._waiting and self._solo_uid is not None and self.max_concurrent > 1:
+            self._hand_off()  # a second request: the solo one joins the batch first
         while self._waiting and len(self._running) < self.max_concurrent:
             handle = self._waiting.popleft()
             try:
@@ -345,31 +378,71 @@ class LLMEngine:
         cache, cached = self.prefix_cache.lookup(tokens)
         stop_seqs = None
         if req.stop_token_ids:
-            stop_seqs = [StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])]
-        sampler = build_sampler(req.sampling)
-        uid = self._bg.insert(
-            [tokens[cached:]],
-            max_tokens=[req.max_tokens],
-            caches=[cache] if cache is not None else None,
-            all_tokens=[tokens[:cached]] if cached else None,
-            samplers=[sampler] if sampler is not None else None,
-            logits_processors=[build_logits_processors(req.sampling)],
-            stop_sequences=stop_seqs,
-        )[0]
+            stop_seqs = StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])
         state = _Running(
             handle=handle,
-            uid=uid,
+            uid=0,
             detokenizer=self.tokenizer.detokenizer,
             stops=StopStringMatcher(req.stop),
             prompt_len=len(tokens),
             cached_tokens=cached,
             start=time.perf_counter(),
+            sampler=build_sampler(req.sampling),
+            processors=build_logits_processors(req.sampling),
+            stop_sequences=stop_seqs,
         )
+        if self.solo_enabled and not self._running and not self._waiting:
+            state.uid = self._solo_uid = next(self._solo_uids)
+            state.solo = SoloSequence(
+                self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
+                logits_processors=state.processors, prefill_step_size=self.prefill_step_size,
+            )
+        else:
+            state.uid = self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
         state.pending.prompt_logprobs = prompt_logprobs
-        self._running[uid] = state
+        self._running[state.uid] = state
         self.prefix_cache.record(len(tokens), cached)
 
+    def _batch_insert(
+        self, state: _Running, todo: list[int], cache: list[Any] | None, fed: list[int], max_tokens: int
+    ) -> int:
+        return self._bg.insert(
+            [todo],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[fed] if fed else None,
+            samplers=[state.sampler] if state.sampler is not None else None,
+            logits_processors=[state.processors],
+            stop_sequences=[state.stop_sequences] if state.stop_sequences is not None else None,
+        )[0]
+
+    def _hand_off(self) -> None:
+        """Move the solo sequence into the BatchGenerator, where it continues from its cache.
+
+        A decoding one first returns the token its last step computed (so no forward pass is
+        in flight), and joins with that token as the one left to feed."""
+        state = self._running[self._solo_uid]
+        solo = state.solo
+        unfed = None
+        if not solo.prefilling:
+            unfed = self._solo_token(state, launch=False)
+            if state.uid not in self._running:
+                return  # that token ended it
+            self._flush(state)
+        todo, cache, fed = solo.handoff(unfed)
+        if state.store_prompt:
+            state.store_prompt = False
+            self._store(fed[: state.prompt_len], cache, final=False)
+        uid = self._batch_insert(state, todo, cache, fed, state.handle.request.max_tokens - state.completion_tokens)
+        del self._running[state.uid]
+        state.uid, state.solo, self._solo_uid = uid, None, None
+        self._running[uid] = state
+        self.solo_handoffs += 1
+
     def _step(self) -> None:
+        if self._solo_uid is not None:
+            self._solo_step(self._running[self._solo_uid])
+            return
         # Prompt blocks are stored one step after their prefill ends: that step produces the
         # sequence's first token, which then goes out before the store's copy work.
         due, self._prompt_stores = self._prompt_stores, []
@@ -403,6 +476,44 @@ class LLMEngine:
                 prompt = list(cache_and_tokens[1])[: state.prompt_len]
                 self._store(prompt, cache_and_tokens[0], final=False)
 
+    def _solo_step(self, state: _Running) -> None:
+        """One chunk of the solo prompt, or one token, as `BatchGenerator.next` would do."""
+        solo = state.solo
+        if solo.prefilling:
+            if not solo.prefill():
+                return
+            self.prefix_cache.observe_prefill(
+                state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
+            )
+            state.store_prompt = self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens)
+        # launch the next step unless this token is the last one allowed
+        self._solo_token(state, launch=state.completion_tokens + 1 < state.handle.request.max_tokens)
+        if state.uid in self._running:
+            self._flush(state)
+            if state.store_prompt:  # after the first token went out, as in `_step`
+                state.store_prompt = False
+                self._store(solo.fed[: state.prompt_len], solo.cache, final=False)
+
+    def _solo_token(self, state: _Running, *, launch: bool) -> int:
+        """Take the solo sequence's pending token through the same path as a batch's."""
+        solo = state.solo
+        token, logprobs = solo.next(launch=launch)
+        req = state.handle.request
+        reason = None
+        if token in self.eos_ids or token in req.stop_token_ids:
+            reason = "stop"
+        elif state.completion_tokens + 1 >= req.max_tokens:
+            reason = "length"
+        done = reason is not None
+        self._on_token(
+            state,
+            GenerationBatch.Response(
+                uid=state.uid, token=token, logprobs=logprobs, finish_reason=reason,
+                prompt_cache=solo.cache if done else None, all_tokens=solo.fed if done else None,
+            ),
+        )
+        return token
+
     def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
         """Caching is an optimisation: its failure is logged, never fails the request."""
         try:
@@ -431,7 +542,7 @@ class LLMEngine:
         ev.text += text
         if hit:
             if r.finish_reason is None:
-                self._bg.remove([r.uid])
+                self._drop(state)
             self._finish(state, "stop")
         elif r.finish_reason is not None:
             self._finish(state, r.finish_reason)  # the answer goes out first, then the copy work
@@ -454,6 +565,8 @@ class LLMEngine:
         ev.first_token_time = state.first_token
         ev.stop_string = state.stops.matched
         self._running.pop(state.uid, None)
+        if state.uid == self._solo_uid:
+            self._solo_uid = None
         self._by_request.pop(state.handle.request.request_id, None)
         self._emit(state.handle, ev)
         self._log_finished(state, reason)

@@ -1,0 +1,166 @@
+"""A lone request decodes as a `SoloSequence`; a second request moves it into the batch.
+
+The engine runs in-process on the tiny random Llama (fp32 on the CPU, so greedy argmax and
+seeded sampling are reproducible): whatever path a request takes — solo throughout, batched
+throughout, or solo then handed off mid-prefill or mid-decode — it must produce the same
+tokens, logprobs and finish as it does alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from omlx.engine.llm_engine import LLMEngine
+from omlx.engine.request import GenerationRequest, SamplingParams
+
+
+def make_engine(model_path: Path, *, solo: bool, prefill_step_size: int = 512) -> LLMEngine:
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_path))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    return LLMEngine("tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir / "tiny-llama"
+
+
+def request(rid: str, prompt: list[int], n: int, **sampling) -> GenerationRequest:
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("logit_bias", {0: -100.0, 1: -100.0, 2: -100.0})  # keep EOS-like ids away
+    return GenerationRequest(rid, prompt, n, SamplingParams(**sampling), logprobs=2)
+
+
+async def run_one(engine: LLMEngine, req: GenerationRequest, started: asyncio.Event | None = None) -> dict:
+    out = {"tokens": [], "logprobs": [], "text": "", "finish": None, "usage": None}
+    async for ev in engine.generate(req):
+        out["tokens"] += ev.token_ids
+        out["logprobs"] += [lp.logprob for lp in ev.logprobs]
+        out["text"] += ev.text
+        if started is not None and len(out["tokens"]) >= 5:
+            started.set()
+        if ev.finish_reason is not None:
+            out["finish"] = ev.finish_reason
+            out["usage"] = (ev.prompt_tokens, ev.completion_tokens)
+    return out
+
+
+def alone(model_path: Path, reqs: list[GenerationRequest], *, solo: bool) -> list[dict]:
+    """Each request by itself, one after the other."""
+    engine = make_engine(model_path, solo=solo)
+
+    async def main() -> list[dict]:
+        await engine.wait_ready()
+        return [await run_one(engine, r) for r in reqs]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["tokens"] == b["tokens"]
+    assert a["text"] == b["text"]
+    assert (a["finish"], a["usage"]) == (b["finish"], b["usage"])
+    assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+
+
+PROMPT_A = [5 + (i * 7) % 390 for i in range(40)]
+PROMPT_B = [9 + (i * 11) % 390 for i in range(25)]
+
+
+def test_solo_matches_batched_greedy_and_seeded(model_path: Path) -> None:
+    reqs = [
+        request("g", PROMPT_A, 48),
+        request("s", PROMPT_B, 32, temperature=0.9, top_p=0.95, seed=7),
+        request("p", PROMPT_B, 24, repetition_penalty=1.3),
+    ]
+    solo = alone(model_path, reqs, solo=True)
+    batched = alone(model_path, reqs, solo=False)
+    for s, b in zip(solo, batched, strict=True):
+        assert len(s["tokens"]) == s["usage"][1] > 0
+        assert_same(s, b)
+
+
+def test_second_request_hands_the_solo_one_off_mid_decode(model_path: Path) -> None:
+    a, b = request("a", PROMPT_A, 64), request("b", PROMPT_B, 20, temperature=0.8, seed=3)
+    expected = alone(model_path, [a, b], solo=True)
+    engine = make_engine(model_path, solo=True)
+
+    async def main() -> list[dict]:
+        await engine.wait_ready()
+        started = asyncio.Event()
+        first = asyncio.create_task(run_one(engine, a, started))
+        await started.wait()  # a has decoded a few tokens on its own
+        assert engine.solo_handoffs == 0
+        second = await run_one(engine, b)
+        return [await first, second]
+
+    try:
+        got = asyncio.run(main())
+        assert engine.solo_handoffs == 1
+    finally:
+        engine.shutdown()
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+
+
+def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path) -> None:
+    long_prompt = [3 + (i * 13) % 390 for i in range(900)]
+    a, b = request("a", long_prompt, 16), request("b", PROMPT_B, 16)
+    expected = alone(model_path, [a, b], solo=True)
+    engine = make_engine(model_path, solo=True, prefill_step_size=16)
+
+    async def main() -> list[dict]:
+        await engine.wait_ready()
+        first = asyncio.create_task(run_one(engine, a))
+        # wait until a's prompt is partly fed (900 tokens in chunks of 16)
+        for _ in range(2000):
+            solo = [s.solo for s in list(engine._running.values()) if s.solo is not None]
+            if solo and solo[0].fed:
+                break
+            await asyncio.sleep(0.001)
+        else:
+            pytest.fail("the lone request never started prefilling on its own")
+        assert solo[0].prefilling
+        second = await run_one(engine, b)
+        return [await first, second]
+
+    try:
+        got = asyncio.run(main())
+        assert engine.solo_handoffs == 1
+    finally:
+        engine.shutdown()
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+
+
+def test_cancelled_solo_request_frees_the_engine(model_path: Path) -> None:
+    engine = make_engine(model_path, solo=True)
+    follow = request("f", PROMPT_B, 12)
+    expected = alone(model_path, [follow], solo=True)[0]
+
+    async def main() -> dict:
+        await engine.wait_ready()
+        stream = engine.generate(request("c", PROMPT_A, 500))
+        async for ev in stream:
+            if ev.token_ids:
+                break
+        await stream.aclose()  # the client went away after the first token
+        return await run_one(engine, follow)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert_same(got, expected)
+    assert engine.active_count == 0
