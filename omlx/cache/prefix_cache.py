@@ -14,12 +14,15 @@ restartable from the SSD.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -141,12 +144,28 @@ class PrefillCost:
     def observe(self, n: int, depth: int, seconds: float) -> None:
         if n <= 0 or seconds <= 0:
             return
+        decay = self.decay
+        predicted = self.seconds(n, depth)
+        if predicted is not None and seconds < predicted / 2:
+            # Much faster than the history says: the history was slowed by something that has
+            # passed (a GPU compiling kernels for new shapes on first use), and compute is
+            # never faster than the device allows, so start over from this one: an estimate
+            # that is too high makes slow restores look worth it.
+            decay = 0.0
         x = (float(n), n * (depth + n / 2))
         for i in range(2):
-            self._xt[i] = self.decay * self._xt[i] + x[i] * seconds
+            self._xt[i] = decay * self._xt[i] + x[i] * seconds
             for j in range(2):
-                self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
+                self._xx[i][j] = decay * self._xx[i][j] + x[i] * x[j]
         self.observations += 1
+
+    def state(self) -> dict[str, Any]:
+        return {"xx": self._xx, "xt": self._xt, "observations": self.observations}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self._xx = [[float(v) for v in row] for row in state["xx"]]
+        self._xt = [float(v) for v in state["xt"]]
+        self.observations = int(state["observations"])
 
     def seconds(self, n: int, depth: int = 0) -> float | None:
         """Predicted seconds, or None before the first observation."""
@@ -184,6 +203,15 @@ class PrefixCache(PrefixCacheHooks):
         self.bytes_per_token = 0
         # parent key ("" = root) → children stored by this process, with their tokens
         self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
+        # What was measured survives a restart beside the SSD blocks, so the first restore
+        # after one is decided on this device's numbers (device kind in the name: a cache
+        # directory moved to other hardware starts over).
+        self._costs_path: Path | None = None
+        self._costs_saved = 0.0
+        if store.ssd is not None:
+            device = str(mx.default_device()).replace(" ", "").replace("(", "-").replace(")", "").replace(",", "")
+            self._costs_path = store.ssd.directory / "costs" / f"{fingerprint}-{device}.json"
+            self._load_costs()
 
     # ----- lookup / restore ----------------------------------------------------------
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
@@ -241,10 +269,27 @@ class PrefixCache(PrefixCacheHooks):
             run.append(keys[i])
         if not run:
             return []
-        if not self._restore_pays(len(run) * self.B, rate):
+        got: list[CacheBlock] = []
+        if rate.value is None and self.prefill.observations:
+            # Never measured, but the recompute side is known: time one block first, so even the
+            # first restore from a slow tier is not slower than recomputing (measured per block,
+            # i.e. without the parallel reads of a run: a conservative figure).
+            got = self._fetch(run[:1], fetch, rate)
+            if len(got) < 1:
+                return got
+            run = run[1:]
+        if run and not self._restore_pays(len(run) * self.B, rate):
             with self.tiers.counters.lock:
                 self.tiers.counters.skipped_restores += 1
-            return []
+            return got
+        if run:
+            got += self._fetch(run, fetch, rate)
+        return got
+
+    def _fetch(
+        self, run: list[str], fetch: Callable[[list[str]], Iterable[CacheBlock | None]], rate: Throughput
+    ) -> list[CacheBlock]:
+        """Restore `run` (up to the first block that has gone), timed, and promote it to hot."""
         tic = time.perf_counter()
         got = []
         for block in fetch(run):
@@ -254,8 +299,11 @@ class PrefixCache(PrefixCacheHooks):
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
             rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
+            if not self.bytes_per_token:
+                self.bytes_per_token = got[0].nbytes // max(1, got[0].token_count)
             for block in got:
                 self.tiers.hot.put(block)
+            self._save_costs(force=True)
         return got
 
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
@@ -399,6 +447,40 @@ class PrefixCache(PrefixCacheHooks):
 
     def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
         self.prefill.observe(tokens, depth, seconds)
+        self._save_costs()
+
+    # ----- measurements that outlive the process -----------------------------------------
+    def _load_costs(self) -> None:
+        try:
+            state = json.loads(self._costs_path.read_text())
+            self.prefill.load(state["prefill"])
+            self.ssd_rate.value = state.get("ssd_bytes_per_s")
+            self.warm_rate.value = state.get("warm_bytes_per_s")
+            self.bytes_per_token = int(state.get("bytes_per_token") or 0)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad file only costs the history
+            log.warning("ignoring the saved cache measurements in %s: %s", self._costs_path, exc)
+
+    def _save_costs(self, force: bool = False) -> None:
+        """At most every few seconds (prefills are frequent); restores save at once."""
+        now = time.monotonic()
+        if self._costs_path is None or (not force and now - self._costs_saved < 5.0):
+            return
+        self._costs_saved = now
+        state = {
+            "prefill": self.prefill.state(),
+            "ssd_bytes_per_s": self.ssd_rate.value,
+            "warm_bytes_per_s": self.warm_rate.value,
+            "bytes_per_token": self.bytes_per_token,
+        }
+        tmp = self._costs_path.with_name(f"{self._costs_path.name}.{os.getpid()}.tmp")
+        try:
+            self._costs_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self._costs_path)
+        except OSError as exc:  # a full or read-only disk: the cache works on without history
+            log.warning("could not save the cache measurements to %s: %s", self._costs_path, exc)
 
 
 def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:

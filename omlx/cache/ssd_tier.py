@@ -246,6 +246,10 @@ class SSDTier:
     def writes_disabled(self) -> bool:
         return self._writes_disabled
 
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
     def path_for(self, key: str) -> Path:
         """Where the block ``key`` lives (whether or not it exists)."""
         return self._dir / key[:2] / f"{key}{_SUFFIX}"

@@ -450,9 +450,10 @@ class LLMEngine:
         for pr in prompt_responses:
             if pr.end_of_prompt and pr.uid in self._running:
                 state = self._running[pr.uid]
-                self.prefix_cache.observe_prefill(
-                    state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
-                )
+                if len(self._running) == 1:  # timed alone: not stretched by others' decode steps
+                    self.prefix_cache.observe_prefill(
+                        state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
+                    )
                 if self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
                     self._prompt_stores.append(pr.uid)
         touched: list[_Running] = []

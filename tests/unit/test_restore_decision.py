@@ -1,0 +1,93 @@
+"""Restore-or-recompute from the first request on: measurements persist beside the SSD
+blocks, and a tier never measured is timed on one block before a whole run is restored.
+
+Real tiers (an SSD directory, a hot tier in memory) and real KV caches made by a store;
+only the prefill timings are fed in by hand, to stand for a fast or a slow device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.prefix_cache import CacheStore, PrefixCache
+from omlx.cache.ssd_tier import SSDTier
+
+B = 16
+FP = "f" * 64
+LAYERS = 2
+
+
+def open_cache(root: Path) -> PrefixCache:
+    """A fresh process's view: empty hot tier, the SSD directory as left on disk."""
+    ssd = SSDTier(root, 1 << 30)
+    assert ssd.wait_ready(10)
+    return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
+
+
+def kv(tokens: int) -> list[KVCache]:
+    caches = []
+    for layer in range(LAYERS):
+        c = KVCache()
+        k = mx.random.normal((1, 2, tokens, 8), key=mx.random.key(layer))
+        c.state = (k, k + 1, tokens)
+        caches.append(c)
+    return caches
+
+
+def stored(root: Path, tokens: list[int]) -> None:
+    cache = open_cache(root)
+    cache.store(tokens, kv(len(tokens)), final=True)
+    cache.tiers.ssd.close()
+
+
+def test_measurements_survive_a_restart(tmp_path: Path) -> None:
+    cache = open_cache(tmp_path)
+    cache.observe_prefill(1000, 0, 0.5)
+    cache.tiers.ssd.close()
+    again = open_cache(tmp_path)
+    assert again.prefill.seconds(1000) == cache.prefill.seconds(1000) == 0.5
+    again.tiers.ssd.close()
+
+
+def test_unmeasured_ssd_is_probed_on_one_block_when_recompute_is_fast(tmp_path: Path) -> None:
+    tokens = list(range(10, 10 + 8 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    cache.prefill.observe(100_000, 0, 1e-6)  # a device that prefills 10^11 tokens/s
+    caches, n = cache.lookup(tokens)
+    assert n == B  # the probe block only; the other seven are recomputed
+    assert caches[0].offset == B
+    assert cache.ssd_rate.value is not None and cache.tiers.counters.skipped_restores == 1
+    cache.tiers.ssd.close()
+
+
+def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) -> None:
+    tokens = list(range(10, 10 + 8 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    cache.prefill.observe(100, 0, 100.0)  # one token per second
+    caches, n = cache.lookup(tokens)
+    assert n == 8 * B
+    assert cache.tiers.counters.skipped_restores == 0
+    restored = mx.concatenate([c.state[0] for c in caches])
+    assert restored.shape == (LAYERS, 2, 8 * B, 8)
+    cache.tiers.ssd.close()
+    # and the measured rate is what the next process starts from
+    again = open_cache(tmp_path)
+    assert again.ssd_rate.value == cache.ssd_rate.value and again.bytes_per_token == cache.bytes_per_token
+    again.tiers.ssd.close()
+
+
+def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
+    from omlx.cache.prefix_cache import PrefillCost
+
+    cost = PrefillCost()
+    cost.observe(8000, 0, 2.0)  # a GPU's first prefill of this shape: kernels compiling
+    cost.observe(8000, 0, 0.17)  # the same prefill warm
+    assert cost.seconds(8000) < 0.3  # not ~1 s: that would make a 0.37 s RAM restore look good
+    cost.observe(8000, 0, 0.30)  # a slower one (a busy device) still counts with full weight
+    assert 0.17 < cost.seconds(8000) < 0.3
