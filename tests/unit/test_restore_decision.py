@@ -53,14 +53,14 @@ def test_measurements_survive_a_restart(tmp_path: Path) -> None:
     again.tiers.ssd.close()
 
 
-def test_unmeasured_ssd_is_probed_on_one_block_when_recompute_is_fast(tmp_path: Path) -> None:
-    tokens = list(range(10, 10 + 8 * B + 1))
+def test_unmeasured_ssd_is_probed_on_an_eighth_when_recompute_is_fast(tmp_path: Path) -> None:
+    tokens = list(range(10, 10 + 16 * B + 1))
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
     cache.prefill.observe(100_000, 0, 1e-6)  # a device that prefills 10^11 tokens/s
     caches, n = cache.lookup(tokens)
-    assert n == B  # the probe block only; the other seven are recomputed
-    assert caches[0].offset == B
+    assert n == 2 * B  # the probe (2 of 16 blocks) only; the other 14 are recomputed
+    assert caches[0].offset == 2 * B
     assert cache.ssd_rate.value is not None and cache.tiers.counters.skipped_restores == 1
     cache.tiers.ssd.close()
 
@@ -91,3 +91,12 @@ def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
     assert cost.seconds(8000) < 0.3  # not ~1 s: that would make a 0.37 s RAM restore look good
     cost.observe(8000, 0, 0.30)  # a slower one (a busy device) still counts with full weight
     assert 0.17 < cost.seconds(8000) < 0.3
+
+
+def test_restore_rate_weighs_each_restore_by_its_size() -> None:
+    from omlx.cache.prefix_cache import Throughput
+
+    rate = Throughput()
+    rate.observe(2e6, 2e6 / 8e9)  # a one-block probe: 8 GB/s
+    rate.observe(262e6, 0.37)  # the 8,000-token restore after it: 0.7 GB/s
+    assert rate.value < 0.8e9  # the run decides, not the probe
