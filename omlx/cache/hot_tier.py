@@ -57,6 +57,14 @@ class HotTier:
             self._hits += 1
             return block
 
+    def touch(self, key: str) -> bool:
+        """Mark ``key`` most recently used if present (no hit counted); whether it was."""
+        with self._lock:
+            if key not in self._blocks:
+                return False
+            self._blocks.move_to_end(key)
+            return True
+
     def contains(self, key: str) -> bool:
         """Presence check that does not touch LRU order or hit counters."""
         with self._lock:

@@ -91,8 +91,13 @@ class CacheStore:
         self.block_size = block_size
         self.counters = CacheCounters()
         if self.warm is not None:
-            warm_tier = self.warm
-            self.hot.on_evict = lambda block: warm_tier.put(HostBlock.of(block, copy=True))
+            self.hot.on_evict = self._to_warm
+
+    def _to_warm(self, block: CacheBlock) -> None:
+        """A block leaving device memory goes to host RAM, copied out, unless RAM still holds
+        it (a block restored from RAM that the hot tier could not keep): no second copy."""
+        if not self.warm.touch(block.key):
+            self.warm.put(HostBlock.of(block, copy=True))
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -241,16 +246,17 @@ class PrefixCache(PrefixCacheHooks):
             if block is None:
                 break
             blocks.append(block)
+        restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
         if warm is not None:
             blocks += self._restore_run(
                 keys, len(blocks), limit, warm.contains,
                 lambda run: ((held.to_block() if (held := warm.get(k)) is not None else None) for k in run),
-                self.warm_rate,
+                self.warm_rate, restored,
             )  # fmt: skip
         if ssd is not None:
             blocks += self._restore_run(
                 keys, len(blocks), limit, lambda k: ssd.contains(k, self.fp),
-                lambda run: ssd.get_many(run, self.fp), self.ssd_rate,
+                lambda run: ssd.get_many(run, self.fp), self.ssd_rate, restored,
             )  # fmt: skip
         n = len(blocks) * self.B
         parts = [(b, self.B) for b in blocks]
@@ -263,7 +269,19 @@ class PrefixCache(PrefixCacheHooks):
                 n += use
         if not parts:
             return None, 0
-        return self._to_cache(parts), n
+        caches = self._to_cache(parts)
+        if restored:
+            # The model's cache built from restored blocks is where their cost ends (on a CUDA
+            # GPU, the first device use of host-written memory migrates it): count it into each
+            # tier's restore time, shared by bytes, rather than into the prefill that follows.
+            tic = time.perf_counter()
+            mx.eval([c.state for c in caches])
+            extra = time.perf_counter() - tic
+            total = sum(nbytes for _, nbytes, _ in restored)
+            for rate, nbytes, seconds in restored:
+                rate.observe(nbytes, seconds + extra * nbytes / total)
+            self._save_costs(force=True)
+        return caches, n
 
     def _restore_run(
         self,
@@ -273,10 +291,12 @@ class PrefixCache(PrefixCacheHooks):
         contains: Callable[[str], bool],
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         rate: Throughput,
+        restored: list[tuple[Throughput, int, float]],
     ) -> list[CacheBlock]:
         """The run of blocks from `keys[start]` on that a lower tier holds, restored (and
         promoted to hot) when that beats recomputing them; `fetch` yields None for a block
-        that has gone meanwhile, which ends the run."""
+        that has gone meanwhile, which ends the run. What was restored and its time so far
+        go to `restored`, for `lookup` to observe once the model's cache is built."""
         run = []
         for i in range(start, len(keys)):
             if (i + 1) * self.B > limit or not contains(keys[i]):
@@ -290,7 +310,13 @@ class PrefixCache(PrefixCacheHooks):
             # so even the first restore from a slow tier is not much slower than recomputing
             # (an eighth, not one block: per byte, tiny restores are faster than large ones).
             probe = max(1, len(run) // 8)
-            got = self._fetch(run[:probe], fetch, rate)
+            got, seconds = self._fetch(run[:probe], fetch)
+            if got:
+                # measured to the end (its first device use included) before deciding on the rest
+                tic = time.perf_counter()
+                mx.eval([mx.concatenate([b.tensors[name] for b in got], axis=2) for name in got[0].tensors])
+                rate.observe(sum(b.nbytes for b in got), seconds + time.perf_counter() - tic)
+                self._save_costs(force=True)
             if len(got) < probe:
                 return got
             run = run[probe:]
@@ -299,13 +325,17 @@ class PrefixCache(PrefixCacheHooks):
                 self.tiers.counters.skipped_restores += 1
             return got
         if run:
-            got += self._fetch(run, fetch, rate)
+            more, seconds = self._fetch(run, fetch)
+            if more:
+                restored.append((rate, sum(b.nbytes for b in more), seconds))
+            got += more
         return got
 
     def _fetch(
-        self, run: list[str], fetch: Callable[[list[str]], Iterable[CacheBlock | None]], rate: Throughput
-    ) -> list[CacheBlock]:
-        """Restore `run` (up to the first block that has gone), timed, and promote it to hot."""
+        self, run: list[str], fetch: Callable[[list[str]], Iterable[CacheBlock | None]]
+    ) -> tuple[list[CacheBlock], float]:
+        """Restore `run` (up to the first block that has gone) and promote it to hot; the
+        seconds include the promotion, which may push other blocks down a tier."""
         tic = time.perf_counter()
         got = []
         for block in fetch(run):
@@ -314,13 +344,11 @@ class PrefixCache(PrefixCacheHooks):
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-            rate.observe(sum(b.nbytes for b in got), time.perf_counter() - tic)
             if not self.bytes_per_token:
                 self.bytes_per_token = got[0].nbytes // max(1, got[0].token_count)
             for block in got:
                 self.tiers.hot.put(block)
-            self._save_costs(force=True)
-        return got
+        return got, time.perf_counter() - tic
 
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
         """Restore from a tier (its measured bytes/s) only when that beats recomputing those

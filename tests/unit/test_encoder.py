@@ -171,7 +171,10 @@ def check_cross_encoder(path: Path, num_labels: int) -> None:
     ours = np.array(loaded.logits(encs))
     ref = reference_logits(path, QUERY, DOCS)
     assert ours.shape == ref.shape == (len(DOCS), num_labels)
-    assert np.abs(ours - ref).max() < 1e-3, (ours, ref)
+    # MLX's CUDA backend may multiply float32 as TF32 (MLX_ENABLE_TF32, 10-bit mantissa) and
+    # picks GEMM algorithms by shape; seen on an H200: up to 2.8e-3 off, 1e-3 on the CPU.
+    tolerance = 1e-3 if mx.default_device() == mx.cpu else 5e-3
+    assert np.abs(ours - ref).max() < tolerance, (ours, ref)
     scores = np.array(loaded.score(encs))
     if num_labels == 1:
         ref_scores = 1 / (1 + np.exp(-ref[:, 0]))

@@ -100,3 +100,28 @@ def test_restore_rate_weighs_each_restore_by_its_size() -> None:
     rate.observe(2e6, 2e6 / 8e9)  # a one-block probe: 8 GB/s
     rate.observe(262e6, 0.37)  # the 8,000-token restore after it: 0.7 GB/s
     assert rate.value < 0.8e9  # the run decides, not the probe
+
+
+def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(monkeypatch) -> None:
+    """A hot tier too small for a block hands it to RAM; if RAM still holds that block (it was
+    just restored from there), it is only refreshed: no second device -> host copy."""
+    from omlx.cache import prefix_cache
+
+    warm = HotTier(1 << 30)
+    cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 4 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
+    assert warm.stats()["blocks"] == 5  # four full blocks and the partial tail
+    copies = []
+    original = prefix_cache.HostBlock.of
+
+    def counting(block, copy=False):  # counts device -> host copies, then makes them
+        copies.append(block.key)
+        return original(block, copy=copy)
+
+    monkeypatch.setattr(prefix_cache.HostBlock, "of", counting)
+    cache.prefill.observe(100, 0, 100.0)  # recompute is slow: restore from RAM
+    caches, n = cache.lookup(tokens)
+    assert n == 4 * B and caches[0].offset == 4 * B
+    assert copies == []  # restored blocks went back to the RAM tier that holds them: no copies
+    assert warm.stats()["blocks"] == 5

@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 from omlx.engine.llm_engine import LLMEngine
@@ -67,11 +68,17 @@ def alone(model_path: Path, reqs: list[GenerationRequest], *, solo: bool) -> lis
         engine.shutdown()
 
 
+# On the CPU the paths agree to float32 rounding. On a CUDA GPU float32 matmuls may run as
+# TF32 and a batch of two takes other GEMM algorithms than a batch of one: on an H200 the
+# tokens still matched exactly and logprobs differed by up to 0.027 once batched.
+LOGPROB_TOLERANCE = 1e-4 if mx.default_device() == mx.cpu else 5e-2
+
+
 def assert_same(a: dict, b: dict) -> None:
     assert a["tokens"] == b["tokens"]
     assert a["text"] == b["text"]
     assert (a["finish"], a["usage"]) == (b["finish"], b["usage"])
-    assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-4)
+    assert a["logprobs"] == pytest.approx(b["logprobs"], abs=LOGPROB_TOLERANCE)
 
 
 PROMPT_A = [5 + (i * 7) % 390 for i in range(40)]
