@@ -98,6 +98,17 @@ def test_solo_matches_batched_greedy_and_seeded(model_path: Path) -> None:
         assert_same(s, b)
 
 
+def assert_handed_off_once(engine: LLMEngine, main, expected: list[dict]) -> None:
+    """Run `main` (the first request alone, then a second one), then check both outputs."""
+    try:
+        got = asyncio.run(main())
+        assert engine.solo_handoffs == 1
+    finally:
+        engine.shutdown()
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+
+
 def test_second_request_hands_the_solo_one_off_mid_decode(model_path: Path) -> None:
     a, b = request("a", PROMPT_A, 64), request("b", PROMPT_B, 20, temperature=0.8, seed=3)
     expected = alone(model_path, [a, b], solo=True)
@@ -112,13 +123,7 @@ def test_second_request_hands_the_solo_one_off_mid_decode(model_path: Path) -> N
         second = await run_one(engine, b)
         return [await first, second]
 
-    try:
-        got = asyncio.run(main())
-        assert engine.solo_handoffs == 1
-    finally:
-        engine.shutdown()
-    for g, e in zip(got, expected, strict=True):
-        assert_same(g, e)
+    assert_handed_off_once(engine, main, expected)
 
 
 def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path) -> None:
@@ -142,13 +147,7 @@ def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path) -> 
         second = await run_one(engine, b)
         return [await first, second]
 
-    try:
-        got = asyncio.run(main())
-        assert engine.solo_handoffs == 1
-    finally:
-        engine.shutdown()
-    for g, e in zip(got, expected, strict=True):
-        assert_same(g, e)
+    assert_handed_off_once(engine, main, expected)
 
 
 def test_cancelled_solo_request_frees_the_engine(model_path: Path) -> None:
