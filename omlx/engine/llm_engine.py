@@ -85,6 +85,7 @@ class _Running:
     stop_sequences: Any = None
     solo: SoloSequence | None = None  # set while the request runs outside the BatchGenerator
     store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
+    queued: float = 0.0  # seconds from the API building the request to the engine taking it
     first_token: float | None = None
     completion_tokens: int = 0
     pending: GenerationEvent = field(default_factory=GenerationEvent)
@@ -381,6 +382,7 @@ class LLMEngine:
                 ),
             )
             return
+        queued = max(0.0, time.time() - req.created)
         cache, cached = self.prefix_cache.lookup(tokens)
         stop_seqs = None
         if req.stop_token_ids:
@@ -396,6 +398,7 @@ class LLMEngine:
             sampler=build_sampler(req.sampling),
             processors=build_logits_processors(req.sampling),
             stop_sequences=stop_seqs,
+            queued=queued,
         )
         if self.solo_enabled and not self._running and not self._waiting:
             state.uid = self._solo_uid = next(self._solo_uids)
@@ -589,12 +592,14 @@ class LLMEngine:
         decode_s = now - (state.first_token or now)
         tps = (state.completion_tokens - 1) / decode_s if decode_s > 0 and state.completion_tokens > 1 else 0.0
         log.info(
-            "request=%s model=%s prompt=%d cached=%d completion=%d ttft=%.3fs decode=%.1ftok/s finish=%s cache=%s",
+            "request=%s model=%s prompt=%d cached=%d completion=%d queue=%.3fs ttft=%.3fs decode=%.1ftok/s "
+            "finish=%s cache=%s",
             state.handle.request.request_id,
             self.model_id,
             state.prompt_len,
             state.cached_tokens,
             state.completion_tokens,
+            state.queued,
             ttft,
             tps,
             reason,
@@ -608,6 +613,7 @@ class LLMEngine:
                     "prompt_tokens": state.prompt_len,
                     "cached_tokens": state.cached_tokens,
                     "completion_tokens": state.completion_tokens,
+                    "queue_s": state.queued,
                     "ttft_s": ttft,
                     "decode_tps": tps,
                 },
