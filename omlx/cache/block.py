@@ -9,13 +9,17 @@ shared by any number of requests and tiers.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "dtype_name", "from_host", "host_view", "to_host"]
+__all__ = [
+    "CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "checksum_matches", "dtype_name",
+    "from_host", "host_view", "to_host",
+]
 
 # name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
 HostTensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
@@ -122,26 +126,43 @@ def from_host(host: HostTensors) -> dict[str, mx.array]:
     return out
 
 
+CRC_PREFIX = "crc32:"
+
+
 def checksum_host(host: HostTensors) -> str:
     """`checksum` over host bytes: pure hashing, safe on any thread."""
-    return _checksum_entries(
-        (name, host[name][0], host[name][1], memoryview(host[name][2])) for name in sorted(host)
-    )
+    crc = 0
+    for header, data in _checksum_entries(host):
+        crc = zlib.crc32(data, zlib.crc32(header, crc))
+    return f"{CRC_PREFIX}{crc:08x}"
 
 
-def _checksum_entries(entries: Iterable[tuple[str, str, tuple[int, ...], memoryview]]) -> str:
+def checksum_matches(host: HostTensors, stored: str) -> bool:
+    """Verify host bytes against a stored checksum: CRC-32 (written since 2026-11-30), or
+    SHA-256 (64 hex digits, the files written before), so existing cache files stay valid."""
+    if stored.startswith(CRC_PREFIX):
+        return checksum_host(host) == stored
     h = hashlib.sha256(b"omlx-block-checksum-v1\0")
-    for name, dt, shape, data in entries:
-        header = f"{name}\0{dt}\0{','.join(map(str, shape))}\0{data.nbytes}\0"
-        h.update(header.encode("utf-8"))
+    for header, data in _checksum_entries(host):
+        h.update(header)
         h.update(data)
-    return h.hexdigest()
+    return h.hexdigest() == stored
+
+
+def _checksum_entries(host: HostTensors) -> Iterable[tuple[bytes, memoryview]]:
+    for name in sorted(host):
+        dt, shape, data = host[name]
+        view = memoryview(data)
+        yield f"{name}\0{dt}\0{','.join(map(str, shape))}\0{view.nbytes}\0".encode(), view
 
 
 def checksum(tensors: Mapping[str, mx.array]) -> str:
-    """SHA-256 over tensor names, dtypes, shapes and raw bytes, in sorted name order.
+    """CRC-32 over tensor names, dtypes, shapes and raw bytes, in sorted name order.
 
-    Stored with each SSD block and re-verified on load, so a flipped bit, a torn write or
-    a file from another block is caught before it reaches the model.
+    Stored with each SSD block and re-verified on load, so a flipped bit or a torn write is
+    caught before it reaches the model (a file of another block fails the key and fingerprint
+    check first). CRC-32, not SHA-256: this guards against accidents, not adversaries, and on
+    the H200 host SHA-256 took half of the SSD writer's time and bounded reads to ~0.5 GB/s
+    (zlib's CRC-32: 7 GB/s vs 2 GB/s for SHA-256 on this development machine).
     """
     return checksum_host(to_host(tensors))

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize
 
-from omlx.cache.block import CacheBlock, HostBlock, HostTensors, checksum_host
+from omlx.cache.block import CacheBlock, HostBlock, HostTensors, checksum_host, checksum_matches
 
 __all__ = ["SSDTier", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
 
@@ -355,7 +355,7 @@ class SSDTier:
             ).itemsize:
                 raise CorruptBlockFile(f"size of {name!r} does not match its shape")
             host[name] = (dt, tuple(int(d) for d in shape), tensor)
-        if checksum_host(host) != meta["checksum"]:
+        if not checksum_matches(host, meta["checksum"]):
             raise CorruptBlockFile("checksum mismatch")
         try:
             token_count = int(meta["token_count"])

@@ -648,6 +648,40 @@ def test_ssd_lookups_before_index_ready(tmp_path: Path) -> None:
         tier.close()
 
 
+def _sha256_v1(tensors: dict[str, mx.array]) -> str:
+    """The checksum block files carried before CRC-32, written out independently here."""
+    h = hashlib.sha256(b"omlx-block-checksum-v1\0")
+    for name in sorted(tensors):
+        t = tensors[name]
+        raw = np.array(t.view(mx.uint16) if t.dtype == mx.bfloat16 else t).tobytes()
+        dt = str(t.dtype).rsplit(".", 1)[-1]
+        h.update(f"{name}\0{dt}\0{','.join(map(str, t.shape))}\0{len(raw)}\0".encode())
+        h.update(raw)
+    return h.hexdigest()
+
+
+def test_ssd_reads_files_with_the_earlier_sha256_checksum(tmp_path: Path) -> None:
+    b = make_block(7)
+    _write_blocks(tmp_path, [b])
+    path = SSDTier(tmp_path, 0).path_for(b.key)
+    src = path.read_bytes()
+    n_hdr = struct.unpack("<Q", src[:8])[0]
+    header = json.loads(src[8 : 8 + n_hdr])
+    assert header["__metadata__"]["checksum"].startswith("crc32:")  # what is written now
+    header["__metadata__"]["checksum"] = _sha256_v1(b.tensors)
+    raw = json.dumps(header).encode()
+    data = bytearray(src[8 + n_hdr :])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    with open_tier(tmp_path) as tier:
+        got = tier.get(b.key, FP)
+        assert got is not None and same_tensors(got.tensors, b.tensors)
+    data[100] ^= 1  # and a flipped bit in such a file is still caught
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    with open_tier(tmp_path) as tier:
+        assert tier.get(b.key, FP) is None
+        assert tier.stats()["discarded"] == 1
+
+
 def test_ssd_rebuild_many_files_reads_headers_only(tmp_path: Path) -> None:
     """2,000 files index in well under a second (10k measured at ~0.4 s on 2 cores)."""
     b = make_block(0)
