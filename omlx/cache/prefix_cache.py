@@ -229,7 +229,7 @@ class PrefixCache(PrefixCacheHooks):
         self._costs_path: Path | None = None
         self._costs_saved = 0.0
         if store.ssd is not None:
-            device = str(mx.default_device()).replace(" ", "").replace("(", "-").replace(")", "").replace(",", "")
+            device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
             self._costs_path = store.ssd.directory / "costs" / f"{fingerprint}-{device}.json"
             self._load_costs()
 
@@ -250,8 +250,7 @@ class PrefixCache(PrefixCacheHooks):
         if warm is not None:
             blocks += self._restore_run(
                 keys, len(blocks), limit, warm.contains,
-                lambda run: ((held.to_block() if (held := warm.get(k)) is not None else None) for k in run),
-                self.warm_rate, restored,
+                lambda run: (self._from_warm(k) for k in run), self.warm_rate, restored,
             )  # fmt: skip
         if ssd is not None:
             blocks += self._restore_run(
@@ -350,6 +349,11 @@ class PrefixCache(PrefixCacheHooks):
                 self.tiers.hot.put(block)
         return got, time.perf_counter() - tic
 
+    def _from_warm(self, key: str) -> CacheBlock | None:
+        """A block held in host RAM as MLX arrays again, or None if RAM no longer has it."""
+        held = self.tiers.warm.get(key)
+        return held.to_block() if held is not None else None
+
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
         """Restore from a tier (its measured bytes/s) only when that beats recomputing those
         tokens on this device."""
@@ -393,9 +397,8 @@ class PrefixCache(PrefixCacheHooks):
             if block is not None:
                 return block
         if warm is not None and warm.contains(key):
-            held = warm.get(key)
-            if held is not None:
-                block = held.to_block()
+            block = self._from_warm(key)
+            if block is not None:
                 hot.put(block)
                 return block
         if ssd is not None and ssd.contains(key, self.fp):

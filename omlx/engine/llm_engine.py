@@ -438,10 +438,8 @@ class LLMEngine:
             if state.uid not in self._running:
                 return  # that token ended it
             self._flush(state)
+        self._store_solo_prompt(state)
         todo, cache, fed = solo.handoff(unfed)
-        if state.store_prompt:
-            state.store_prompt = False
-            self._store(fed[: state.prompt_len], cache, final=False)
         uid = self._batch_insert(state, todo, cache, fed, state.handle.request.max_tokens - state.completion_tokens)
         del self._running[state.uid]
         state.uid, state.solo, self._solo_uid = uid, None, None
@@ -460,9 +458,7 @@ class LLMEngine:
             if pr.end_of_prompt and pr.uid in self._running:
                 state = self._running[pr.uid]
                 if len(self._running) == 1:  # timed alone: not stretched by others' decode steps
-                    self.prefix_cache.observe_prefill(
-                        state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
-                    )
+                    self._observe_prefill(state)
                 if self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
                     self._prompt_stores.append(pr.uid)
         touched: list[_Running] = []
@@ -492,17 +488,23 @@ class LLMEngine:
         if solo.prefilling:
             if not solo.prefill():
                 return
-            self.prefix_cache.observe_prefill(
-                state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
-            )
+            self._observe_prefill(state)
             state.store_prompt = self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens)
         # launch the next step unless this token is the last one allowed
         self._solo_token(state, launch=state.completion_tokens + 1 < state.handle.request.max_tokens)
         if state.uid in self._running:
             self._flush(state)
-            if state.store_prompt:  # after the first token went out, as in `_step`
-                state.store_prompt = False
-                self._store(solo.fed[: state.prompt_len], solo.cache, final=False)
+            self._store_solo_prompt(state)  # after the first token went out, as in `_step`
+
+    def _store_solo_prompt(self, state: _Running) -> None:
+        if state.store_prompt:
+            state.store_prompt = False
+            self._store(state.solo.fed[: state.prompt_len], state.solo.cache, final=False)
+
+    def _observe_prefill(self, state: _Running) -> None:
+        self.prefix_cache.observe_prefill(
+            state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
+        )
 
     def _solo_token(self, state: _Running, *, launch: bool) -> int:
         """Take the solo sequence's pending token through the same path as a batch's."""

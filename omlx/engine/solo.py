@@ -17,12 +17,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+from mlx_lm.sample_utils import greedy_sampler
 
 Sampler = Callable[[mx.array], mx.array]
-
-
-def greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 class SoloSequence:
@@ -45,7 +42,7 @@ class SoloSequence:
         self.cache = cache if cache is not None else make_prompt_cache(model)
         self.fed: list[int] = list(cached)  # the tokens whose keys/values are in `cache`
         self.todo: list[int] = list(prompt)  # prompt tokens not fed yet
-        self.sampler = sampler or greedy
+        self.sampler = sampler or greedy_sampler  # BatchGenerator's fallback too
         self.processors = logits_processors
         self.context = TokenBuffer(self.fed) if logits_processors else None
         self.step_size = prefill_step_size
