@@ -68,7 +68,7 @@ SETTINGS: tuple[Setting, ...] = (
         "prefill_step_size",
         int,
         512,
-        "Prompt tokens prefilled per engine step, so running streams keep flowing.",
+        "Prompt tokens prefilled per request per engine step (up to 8 requests at once), so running streams keep flowing.",
         minimum=16,
     ),
     Setting(

@@ -2,11 +2,13 @@
 
 The asyncio side calls `generate()`, which puts the request in the engine's inbox
 and yields `GenerationEvent`s as the thread produces them. The thread admits
-requests into mlx-lm's `BatchGenerator` (continuous batching, chunked prefill),
-restores cached prefixes, turns tokens into text with stop strings applied, and
-stores new prefix-cache blocks. A request that arrives to an idle engine runs as a
+requests into mlx-lm's `BatchGenerator` (continuous batching), restores cached
+prefixes, turns tokens into text with stop strings applied, and stores new
+prefix-cache blocks. A request that arrives to an idle engine runs as a
 `SoloSequence` (mlx-lm's single-sequence loop, cheaper per step) until a second one
-arrives; then it joins the `BatchGenerator` with its cache.
+arrives; then it joins the `BatchGenerator` with its cache. Newcomers to a busy
+engine are prefilled by the engine itself, a chunk per step, and join the batch with
+their last prompt token (why: `omlx/engine/buffers.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
+from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
@@ -58,6 +61,10 @@ class PrefixCacheHooks:
         restore-or-recompute decisions."""
         return None
 
+    def write_back(self, idle: bool) -> bool:
+        """Move stored blocks on to slower tiers (engine thread); True while some wait."""
+        return False
+
 
 @dataclass(eq=False)
 class _Handle:
@@ -83,7 +90,8 @@ class _Running:
     sampler: Any = None  # kept for a hand-off: a seeded sampler's key state goes with it
     processors: list[Any] = field(default_factory=list)
     stop_sequences: Any = None
-    solo: SoloSequence | None = None  # set while the request runs outside the BatchGenerator
+    # set while the request runs outside the BatchGenerator: decoding alone, or being prefilled
+    solo: SoloSequence | None = None
     store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
     queued: float = 0.0  # seconds from the API building the request to the engine taking it
     first_token: float | None = None
@@ -133,9 +141,11 @@ class LLMEngine:
         # an SSD tier each store copies KV to host memory (~2 GB/s on a CUDA GPU), and 32
         # streams finishing in one step must not wait on each other's copies.
         self._final_stores: list[tuple[list[int], list[Any]]] = []
-        self._solo_uid: int | None = None  # the request running as a SoloSequence, if any
-        self._solo_uids = itertools.count(-1, -1)  # never collide with BatchGenerator's uids
+        self._solo_uid: int | None = None  # the request decoding as a SoloSequence, if any
+        self._prefilling: list[int] = []  # newcomers the engine prefills, in arrival order
+        self._own_uids = itertools.count(-1, -1)  # never collide with BatchGenerator's uids
         self.solo_handoffs = 0  # solo sequences moved into the BatchGenerator
+        self._buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
         self._outstanding = 0  # submitted and not finished; read/written on the event loop
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
@@ -208,9 +218,14 @@ class LLMEngine:
             max_tokens=1,
             stop_tokens=[[t] for t in self.eos_ids],
             completion_batch_size=self.max_concurrent,
-            prefill_batch_size=min(8, self.max_concurrent),
+            prefill_batch_size=self.prefill_batch_size,
             prefill_step_size=self.prefill_step_size,
         )
+
+    @property
+    def prefill_batch_size(self) -> int:
+        """Newcomers prefilled per step (each by a chunk), as mlx-lm's own prefill would."""
+        return min(8, self.max_concurrent)
 
     @property
     def busy(self) -> bool:
@@ -246,22 +261,37 @@ class LLMEngine:
         """Generate a few tokens once at load, through the paths requests take.
 
         MLX builds some kernels on first use (the CUDA backend compiles them at run time);
-        measured on an H200, the first batch whose prompts differ in length (mlx-lm's padded
-        prefill) took 8 s. Paying that here keeps it out of the first users' TTFT."""
+        measured on an H200, the first batch whose prompts differed in length took 8 s.
+        Paying that here keeps it out of the first users' TTFT."""
         tic = time.perf_counter()
         try:
             ids = self.tokenizer.encode("Warm up: the quick brown fox jumps over the lazy dog. " * 3)
             ids = ([t for t in ids if t not in self.eos_ids] * 4)[:24]
             sampled = SamplingParams(temperature=0.7, top_p=0.9, logit_bias={ids[0]: -1.0})
-            self._bg.insert(
-                [ids[:9], ids[:15]],  # different lengths: the padded prefill path
-                max_tokens=[3, 3],
-                samplers=[None, build_sampler(sampled)],
-                logits_processors=[[], build_logits_processors(sampled)],
-            )
-            self._bg.insert([ids[:5]], max_tokens=[2])
+            # newcomers: prefilled in chunks on plain caches, then they join the batch (two
+            # at once, then one) with their last token, one of them sampled with processors
+            newcomers = [
+                (ids[:9], None, []),
+                (ids[:15], build_sampler(sampled), build_logits_processors(sampled)),
+                (ids[:5], None, []),
+            ]
+            for group in (newcomers[:2], newcomers[2:]):
+                for prompt, sampler, processors in group:
+                    seq = SoloSequence(
+                        self.model, prompt, cache=None, cached=[], sampler=sampler,
+                        logits_processors=processors, prefill_step_size=4,
+                    )  # fmt: skip
+                    while not seq.feed_chunk():
+                        pass
+                    seq.wait()
+                    todo, cache, fed = seq.handoff()
+                    self._bg.insert(
+                        [todo], max_tokens=[3], caches=[cache], all_tokens=[fed],
+                        samplers=[sampler] if sampler is not None else None, logits_processors=[processors],
+                    )  # fmt: skip
+                self._bg.next()
             finished = 0
-            for _ in range(256):  # bounded: 3 sequences of <= 3 tokens after prefill
+            for _ in range(256):  # bounded: 3 sequences of <= 3 tokens
                 _, generated = self._bg.next()
                 finished += sum(1 for r in generated if r.finish_reason is not None)
                 if finished == 3:
@@ -287,17 +317,26 @@ class LLMEngine:
             return
         with mx.stream(self._stream):
             self._loop()
+            while self._write_back(idle=True):  # stopping: what waits for the SSD goes now
+                pass
         self._bg.close()
 
     def _loop(self) -> None:
+        unwritten = False  # stored blocks wait for the SSD: an idle engine writes them back
         while not self._stop.is_set():
             idle = not self._running and not self._waiting
             try:
-                self._drain_inbox(block=idle)
+                self._drain_inbox(block=idle and not unwritten)
                 self._admit()
                 if self._running:
                     self._step()
+                    self._buffers_dirty = True
                 self._store_finished()
+                idle = not self._running and not self._waiting
+                unwritten = self._write_back(idle)
+                if idle and not unwritten and self._buffers_dirty:
+                    self._buffers_dirty = False
+                    mx.clear_cache()  # idle: nobody waits on it now
             except Exception as exc:  # an engine fault fails the requests in flight, not the server
                 log.exception("engine %s failed a step; failing %d requests", self.model_id, len(self._running))
                 for state in list(self._running.values()):
@@ -306,6 +345,7 @@ class LLMEngine:
                 self._prompt_stores = []
                 self._final_stores = []
                 self._solo_uid = None
+                self._prefilling = []
             self.active_count = len(self._running)
             self.waiting_count = len(self._waiting)
 
@@ -351,7 +391,10 @@ class LLMEngine:
     def _drop(self, state: _Running) -> None:
         """Stop computing a sequence that ends before its generator says so."""
         if state.solo is not None:
-            self._solo_uid = None
+            if state.uid == self._solo_uid:
+                self._solo_uid = None
+            else:
+                self._prefilling.remove(state.uid)
         else:
             self._bg.remove([state.uid])
 
@@ -400,12 +443,18 @@ class LLMEngine:
             stop_sequences=stop_seqs,
             queued=queued,
         )
-        if self.solo_enabled and not self._running and not self._waiting:
-            state.uid = self._solo_uid = next(self._solo_uids)
+        alone = self.solo_enabled and not self._running and not self._waiting
+        if alone or len(tokens) - cached > 1:
+            # decodes alone, or is prefilled here and joins the batch with its last token
+            state.uid = next(self._own_uids)
             state.solo = SoloSequence(
                 self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
                 logits_processors=state.processors, prefill_step_size=self.prefill_step_size,
             )
+            if alone:
+                self._solo_uid = state.uid
+            else:
+                self._prefilling.append(state.uid)
         else:
             state.uid = self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
         state.pending.prompt_logprobs = prompt_logprobs
@@ -426,30 +475,50 @@ class LLMEngine:
         )[0]
 
     def _hand_off(self) -> None:
-        """Move the solo sequence into the BatchGenerator, where it continues from its cache.
+        """Move the solo sequence towards the BatchGenerator, where it continues from its cache.
 
-        A decoding one first returns the token its last step computed (so no forward pass is
-        in flight), and joins with that token as the one left to feed."""
+        A prefilling one becomes a newcomer whose prefill goes on; a decoding one first
+        returns the token its last step computed (so no forward pass is in flight), and joins
+        with that token as the one left to feed."""
         state = self._running[self._solo_uid]
-        solo = state.solo
-        unfed = None
-        if not solo.prefilling:
-            unfed = self._solo_token(state, launch=False)
-            if state.uid not in self._running:
-                return  # that token ended it
-            self._flush(state)
+        self._solo_uid = None
+        self.solo_handoffs += 1
+        if state.solo.prefilling:
+            self._prefilling.insert(0, state.uid)  # it came first
+            return
+        unfed = self._solo_token(state, launch=False)
+        if state.uid not in self._running:
+            return  # that token ended it
+        self._flush(state)
         self._store_solo_prompt(state)
-        todo, cache, fed = solo.handoff(unfed)
+        self._join_batch(state, unfed)
+
+    def _join_batch(self, state: _Running, unfed: int | None = None) -> None:
+        """Insert a sequence decoding or prefilling on its own into the BatchGenerator."""
+        todo, cache, fed = state.solo.handoff(unfed)
         uid = self._batch_insert(state, todo, cache, fed, state.handle.request.max_tokens - state.completion_tokens)
         del self._running[state.uid]
-        state.uid, state.solo, self._solo_uid = uid, None, None
+        state.uid, state.solo = uid, None
         self._running[uid] = state
-        self.solo_handoffs += 1
+
+    def _prefill_newcomers(self) -> None:
+        """A prompt chunk for each of the first `prefill_batch_size` newcomers, waited for
+        together; those left with only their last token join the batch."""
+        group = [self._running[uid] for uid in self._prefilling[: self.prefill_batch_size]]
+        ready = [state for state in group if state.solo.feed_chunk()]
+        for state in group:
+            state.solo.wait()
+        trim_buffer_cache()
+        for state in ready:
+            self._prefilling.remove(state.uid)
+            self._join_batch(state)
 
     def _step(self) -> None:
         if self._solo_uid is not None:
             self._solo_step(self._running[self._solo_uid])
             return
+        if self._prefilling:
+            self._prefill_newcomers()
         # Prompt blocks are stored one step after their prefill ends: that step produces the
         # sequence's first token, which then goes out before the store's copy work.
         due, self._prompt_stores = self._prompt_stores, []
@@ -530,6 +599,13 @@ class LLMEngine:
         done, self._final_stores = self._final_stores, []
         for tokens, cache in done:
             self._store(tokens, cache, final=True)
+
+    def _write_back(self, idle: bool) -> bool:
+        try:
+            return self.prefix_cache.write_back(idle)
+        except Exception:  # caching is an optimisation
+            log.exception("writing prefix-cache blocks of %s back failed", self.model_id)
+            return False
 
     def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
         """Caching is an optimisation: its failure is logged, never fails the request."""

@@ -6,8 +6,11 @@ logits-processor and logprob slicing): on an H200 it decoded one sequence at ~0.
 mlx-lm's `generate_step`. A `SoloSequence` runs the plain `KVCache` loop that
 `generate_step` runs (chunked prefill, then each step launches the next token's forward
 pass before reading the current token), and when a second request arrives the engine
-hands it to the `BatchGenerator` (`handoff_args`): its cache, the tokens in it, and the
+hands it to the `BatchGenerator` (`handoff`): its cache, the tokens in it, and the
 one token still to feed, so the batch continues exactly where the solo loop stopped.
+
+The engine also prefills newcomers to a busy batch with `feed_chunk` and hands them over
+with their last prompt token (see `omlx/engine/buffers.py` for why not mlx-lm's prefill).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
+
+from omlx.engine.buffers import trim_buffer_cache
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -54,22 +59,35 @@ class SoloSequence:
     def prefilling(self) -> bool:
         return self.pending is None
 
+    def feed_chunk(self) -> bool:
+        """Launch one chunk of the prompt, never its last token; True once only that is left.
+
+        Launched, not waited for: the engine prefills several newcomers this way and waits
+        for all of them at once (`wait`)."""
+        if len(self.todo) > 1:
+            chunk = self.todo[: min(self.step_size, len(self.todo) - 1)]
+            self.model(mx.array(chunk)[None], cache=self.cache)
+            mx.async_eval([c.state for c in self.cache])
+            if self.context is not None:
+                self.context.update_and_fetch(mx.array(chunk, dtype=mx.int32))
+            self.fed += chunk
+            self.todo = self.todo[len(chunk) :]
+        return len(self.todo) <= 1
+
+    def wait(self) -> None:
+        """Until the chunks launched so far are in the cache."""
+        mx.eval([c.state for c in self.cache])
+
     def prefill(self) -> bool:
         """Feed one chunk of the prompt; True when the prompt is fed and a token is pending.
 
         The last prompt token is fed alone, as mlx-lm does: the LM head then runs on one
         position instead of a whole chunk."""
-        if len(self.todo) > 1:
-            chunk = self.todo[: min(self.step_size, len(self.todo) - 1)]
-            self.model(mx.array(chunk)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            if self.context is not None:
-                self.context.update_and_fetch(mx.array(chunk, dtype=mx.int32))
-            self.fed += chunk
-            self.todo = self.todo[len(chunk) :]
-            if len(self.todo) > 1:
-                mx.clear_cache()
-                return False
+        more = not self.feed_chunk()
+        self.wait()
+        trim_buffer_cache()
+        if more:
+            return False
         last = self.todo
         self.todo = []
         self.pending = self._forward(mx.array(last))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 from pathlib import Path
@@ -191,6 +192,16 @@ def _chain(home: Path) -> list[Path]:
     return chain
 
 
+def _make_recompute_look_slow(home: Path) -> None:
+    """Scale the saved prefill measurements by 1000, so that the next start restores every
+    block it can. On a GPU the tiny model recomputes faster than the SSD restores, and the
+    restore-or-recompute decision then rightly reads only a probe's worth of blocks."""
+    for f in (home / "cache" / "costs").glob("*.json"):
+        state = json.loads(f.read_text())
+        state["prefill"]["xt"] = [v * 1000 for v in state["prefill"]["xt"]]
+        f.write_text(json.dumps(state))
+
+
 def test_corrupt_and_truncated_block_files_are_discarded_never_served(tiny_model_dir, tmp_path):
     home = tmp_path / "home"
     server = start(home, tiny_model_dir)
@@ -207,6 +218,7 @@ def test_corrupt_and_truncated_block_files_are_discarded_never_served(tiny_model
     whole_size = chain[4].stat().st_size
     chain[2].write_bytes(bytes(data))
     chain[4].write_bytes(chain[4].read_bytes()[: len(data) // 3])
+    _make_recompute_look_slow(home)
     server = start(home, tiny_model_dir)
     try:
         again = ask(server, "integrity check please")

@@ -41,6 +41,8 @@ def kv(tokens: int) -> list[KVCache]:
 def stored(root: Path, tokens: list[int]) -> None:
     cache = open_cache(root)
     cache.store(tokens, kv(len(tokens)), final=True)
+    while cache.write_back(idle=True):  # what an idle engine does
+        pass
     cache.tiers.ssd.close()
 
 
@@ -125,3 +127,39 @@ def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(mo
     assert n == 4 * B and caches[0].offset == 4 * B
     assert copies == []  # restored blocks went back to the RAM tier that holds them: no copies
     assert warm.stats()["blocks"] == 5
+
+
+def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tmp_path: Path, monkeypatch) -> None:
+    """Handing a block to the SSD writer copies it to host memory on the engine thread (slow
+    on a CUDA GPU): a busy engine defers it up to a bound, an idle one writes in chunks."""
+    from omlx.cache import prefix_cache
+
+    cache = open_cache(tmp_path)
+    ssd = cache.tiers.ssd
+    tokens = list(range(10, 10 + 8 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)  # 8 full blocks + a 1-token tail
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    assert cache.tiers.stats()["unwritten_blocks"] == 9
+    assert cache.write_back(idle=False)  # busy, under the bound: nothing moves, all still wait
+    assert ssd.flush(10) and ssd.stats()["writes"] == 0
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_BOUND", 3 * block_bytes)
+    assert cache.write_back(idle=False)  # busy, over the bound: the oldest go, down to it
+    assert ssd.flush(10) and ssd.stats()["writes"] == 6
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 2 * block_bytes)
+    assert cache.write_back(idle=True)  # idle: a chunk per call
+    assert ssd.flush(10) and ssd.stats()["writes"] == 8
+    assert not cache.write_back(idle=True)
+    assert ssd.flush(10) and ssd.stats()["writes"] == 9
+    assert cache.tiers.stats()["unwritten_blocks"] == 0
+
+    # a block the hot tier let go before its write-back is still found
+    other = list(range(500, 500 + 2 * B + 1))
+    cache.store(other, kv(len(other)), final=True)
+    cache.tiers.hot.clear()
+    caches, n = cache.lookup(other)
+    assert n == 2 * B and caches[0].offset == 2 * B
+    # a clear drops what waits: nothing stored before it is written afterwards
+    cache.tiers.clear()
+    assert not cache.write_back(idle=True)
+    assert ssd.flush(10) and ssd.stats()["blocks"] == 0
+    assert cache.tiers.stats()["unwritten_blocks"] == 0
