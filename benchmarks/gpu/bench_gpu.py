@@ -251,7 +251,8 @@ class Server:
             ssd = stats.get("ssd") or next(iter(stats.get("stores", {}).values()), {}).get(
                 "ssd", {}
             )
-            now = (ssd.get("queue_depth"), ssd.get("blocks"), ssd.get("writes"))
+            # blocks wait in the engine until it is idle, then in the writer's queue
+            now = (stats.get("unwritten_blocks", 0) + ssd.get("queue_depth", 0), ssd.get("blocks"), ssd.get("writes"))
             if now[0] == 0 and now == last:
                 return
             last = now
@@ -513,7 +514,7 @@ def server_batch(
     # a chunk may carry several tokens (merged when a client falls behind): spread each
     # stream's tokens evenly over its chunks
     stamps = [(t, r["completion_tokens"] / len(r["times"])) for r in recs for t in r["times"]]
-    return summarize_streams(
+    out = summarize_streams(
         start_at,
         max(r["done"] for r in recs),
         total,
@@ -521,6 +522,7 @@ def server_batch(
         [r["end"] for r in recs],
         stamps,
     )
+    return {**out, "retries": sum(r.get("retries", 0) for r in recs)}
 
 
 # ----------------------------------------------------------------------------- profiling

@@ -15,15 +15,39 @@ from typing import Any
 import httpx
 
 
+class _Unanswered(Exception):
+    """The connection failed before any response arrived."""
+
+
 def stream_completion(
     client: httpx.Client, base_url: str, body: dict[str, Any], timeout: float = 180.0
 ) -> dict[str, Any]:
+    """One streamed request. A connection the server dropped before answering (a listen
+    backlog overflowing under a burst: `mlx_lm.server`'s is socketserver's 5) is retried up
+    to twice; the time lost counts (`sent` stays the first attempt's), `retries` says so."""
     sent = time.perf_counter()
+    for attempt in range(3):
+        try:
+            return {**_stream_once(client, base_url, body, timeout, sent), "retries": attempt}
+        except _Unanswered as exc:
+            if attempt == 2:
+                raise exc.__cause__ from None
+    raise AssertionError("unreachable")
+
+
+def _stream_once(
+    client: httpx.Client, base_url: str, body: dict[str, Any], timeout: float, sent: float
+) -> dict[str, Any]:
     times: list[float] = []
     usage: dict[str, Any] | None = None
     finish = None
     end = None  # arrival of the chunk with the finish reason: the last token's
-    with client.stream("POST", f"{base_url}/v1/completions", json=body, timeout=timeout) as r:
+    request = client.build_request("POST", f"{base_url}/v1/completions", json=body, timeout=timeout)
+    try:
+        r = client.send(request, stream=True)
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
+        raise _Unanswered() from exc
+    try:
         if r.status_code != 200:
             r.read()
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
@@ -49,6 +73,8 @@ def stream_completion(
                 if ch.get("finish_reason"):
                     finish = ch["finish_reason"]
                     end = time.perf_counter()
+    finally:
+        r.close()
     done = time.perf_counter()
     usage = usage or {}
     return {
