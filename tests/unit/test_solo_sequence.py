@@ -257,3 +257,29 @@ def test_newcomer_cancelled_mid_prefill_leaves_the_others_running(model_path: Pa
         engine.shutdown()
     assert_same(got, expected)
     assert engine._prefilling == [] and engine.active_count == 0
+
+
+def test_prefill_chunks_end_on_multiples_of_the_step(model_path: Path) -> None:
+    # after 37 restored tokens, a step of 16: 11 tokens to reach 48, then 16 at a time, the
+    # last prompt token fed alone (so long prompts repeat the same shapes whatever was cached)
+    from mlx_lm import load
+
+    from omlx.engine.solo import SoloSequence
+
+    model, _ = load(str(model_path))
+    prompt = [5 + (i * 7) % 390 for i in range(37 + 60)]
+    first = SoloSequence(model, prompt[:38], cache=None, cached=[], sampler=None, logits_processors=[],
+                         prefill_step_size=64)  # fmt: skip
+    while not first.feed_chunk():
+        pass
+    first.wait()
+    assert len(first.fed) == 37  # its last token is left to feed
+    seq = SoloSequence(model, prompt[37:], cache=first.cache, cached=first.fed, sampler=None,
+                       logits_processors=[], prefill_step_size=16)  # fmt: skip
+    ends = []
+    while not seq.feed_chunk():
+        ends.append(len(seq.fed))
+    ends.append(len(seq.fed))
+    assert ends == [48, 64, 80, 96] and seq.todo == prompt[96:]
+    seq.wait()
+    assert seq.cache[0].offset == 96
