@@ -86,7 +86,8 @@ class _Running:
     stops: StopStringMatcher
     prompt_len: int
     cached_tokens: int
-    start: float
+    start: float  # the engine took it (before its cached prefix was restored): TTFT counts from here
+    prefill_start: float  # after the restore: a prefill's time counts from here
     sampler: Any = None  # kept for a hand-off: a seeded sampler's key state goes with it
     processors: list[Any] = field(default_factory=list)
     stop_sequences: Any = None
@@ -426,6 +427,7 @@ class LLMEngine:
             )
             return
         queued = max(0.0, time.time() - req.created)
+        taken = time.perf_counter()
         cache, cached = self.prefix_cache.lookup(tokens)
         stop_seqs = None
         if req.stop_token_ids:
@@ -437,7 +439,8 @@ class LLMEngine:
             stops=StopStringMatcher(req.stop),
             prompt_len=len(tokens),
             cached_tokens=cached,
-            start=time.perf_counter(),
+            start=taken,
+            prefill_start=time.perf_counter(),
             sampler=build_sampler(req.sampling),
             processors=build_logits_processors(req.sampling),
             stop_sequences=stop_seqs,
@@ -572,7 +575,7 @@ class LLMEngine:
 
     def _observe_prefill(self, state: _Running) -> None:
         self.prefix_cache.observe_prefill(
-            state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.start
+            state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.prefill_start
         )
 
     def _solo_token(self, state: _Running, *, launch: bool) -> int:
