@@ -52,6 +52,7 @@ MIN_TAIL_ONLY_TOKENS = 32
 # over between steps. When idle, up to WRITE_BACK_CHUNK bytes per engine loop, so a request
 # that arrives waits for at most that much copying.
 WRITE_BACK_BOUND = 1 << 30
+SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
 WRITE_BACK_CHUNK = 64 << 20
 
 
@@ -175,11 +176,12 @@ class PrefillCost:
         self._xx = [[0.0, 0.0], [0.0, 0.0]]
         self._xt = [0.0, 0.0]
         self.observations = 0
+        self._last_slow = False
 
     def observe(self, n: int, depth: int, seconds: float) -> None:
         if n <= 0 or seconds <= 0:
             return
-        decay = self.decay
+        decay, weight = self.decay, 1.0
         predicted = self.seconds(n, depth)
         if predicted is not None and seconds < predicted / 2:
             # Much faster than the history says: the history was slowed by something that has
@@ -187,11 +189,19 @@ class PrefillCost:
             # never faster than the device allows, so start over from this one: an estimate
             # that is too high makes slow restores look worth it.
             decay = 0.0
+        slow = predicted is not None and seconds > 1.5 * predicted
+        if slow and not self._last_slow:
+            # Much slower, after one that was not: most likely a one-off (on CUDA each new
+            # prompt shape builds cuDNN graphs, ~60 ms apiece), so it counts a fifth; the
+            # next slow one counts fully (a lasting slowdown). Otherwise one such prefill
+            # flips the next restore decisions.
+            weight = SLOW_OUTLIER_WEIGHT
+        self._last_slow = slow
         x = (float(n), n * (depth + n / 2))
         for i in range(2):
-            self._xt[i] = decay * self._xt[i] + x[i] * seconds
+            self._xt[i] = decay * self._xt[i] + weight * x[i] * seconds
             for j in range(2):
-                self._xx[i][j] = decay * self._xx[i][j] + x[i] * x[j]
+                self._xx[i][j] = decay * self._xx[i][j] + weight * x[i] * x[j]
         self.observations += 1
 
     def state(self) -> dict[str, Any]:
@@ -272,19 +282,24 @@ class PrefixCache(PrefixCacheHooks):
                 hot.put(block)
             blocks.append(block)
         restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
+        skipped = False  # a slower tier held more, and recomputing it was judged faster
         if warm is not None:
-            blocks += self._restore_run(
+            got, skipped = self._restore_run(
                 keys, len(blocks), limit, warm.contains,
                 lambda run: (self._from_warm(k) for k in run), self.warm_rate, restored,
             )  # fmt: skip
-        if ssd is not None:
-            blocks += self._restore_run(
+            blocks += got
+        if ssd is not None and not skipped:
+            got, skipped = self._restore_run(
                 keys, len(blocks), limit, lambda k: ssd.contains(k, self.fp),
                 lambda run: ssd.get_many(run, self.fp), self.ssd_rate, restored,
             )  # fmt: skip
+            blocks += got
         n = len(blocks) * self.B
         parts = [(b, self.B) for b in blocks]
-        tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:])
+        # after a skipped restore the tail, too, only comes from device memory: the token-level
+        # search would otherwise fetch from the tier just judged slower than recomputing
+        tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:], hot_only=skipped)
         if tail is not None and limit - n > 0:
             # an exact repeat finds the whole prompt's tail: use all but the last token
             use = min(usable, limit - n)
@@ -316,18 +331,19 @@ class PrefixCache(PrefixCacheHooks):
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         rate: Throughput,
         restored: list[tuple[Throughput, int, float]],
-    ) -> list[CacheBlock]:
+    ) -> tuple[list[CacheBlock], bool]:
         """The run of blocks from `keys[start]` on that a lower tier holds, restored (and
-        promoted to hot) when that beats recomputing them; `fetch` yields None for a block
-        that has gone meanwhile, which ends the run. What was restored and its time so far
-        go to `restored`, for `lookup` to observe once the model's cache is built."""
+        promoted to hot) when that beats recomputing them, and whether some were left for
+        recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
+        ends the run. What was restored and its time so far go to `restored`, for `lookup`
+        to observe once the model's cache is built."""
         run = []
         for i in range(start, len(keys)):
             if (i + 1) * self.B > limit or not contains(keys[i]):
                 break
             run.append(keys[i])
         if not run:
-            return []
+            return [], False
         got: list[CacheBlock] = []
         if rate.value is None and self.prefill.observations:
             # Never measured, but the recompute side is known: time an eighth of the run first,
@@ -342,18 +358,18 @@ class PrefixCache(PrefixCacheHooks):
                 rate.observe(sum(b.nbytes for b in got), seconds + time.perf_counter() - tic)
                 self._save_costs(force=True)
             if len(got) < probe:
-                return got
+                return got, False
             run = run[probe:]
         if run and not self._restore_pays(len(run) * self.B, rate):
             with self.tiers.counters.lock:
                 self.tiers.counters.skipped_restores += 1
-            return got
+            return got, True
         if run:
             more, seconds = self._fetch(run, fetch)
             if more:
                 restored.append((rate, sum(b.nbytes for b in more), seconds))
             got += more
-        return got
+        return got, False
 
     def _fetch(
         self, run: list[str], fetch: Callable[[list[str]], Iterable[CacheBlock | None]]
@@ -388,7 +404,7 @@ class PrefixCache(PrefixCacheHooks):
         restore_s = n_tokens * self.bytes_per_token / rate.value
         return restore_s < recompute_s
 
-    def _find_tail(self, parent: str | None, rest: list[int]) -> tuple[CacheBlock | None, int]:
+    def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
         """The stored block after `parent` sharing the longest token prefix with `rest`.
 
         Exact partial blocks are found by key (this also works after a restart); blocks
@@ -398,7 +414,7 @@ class PrefixCache(PrefixCacheHooks):
         """
         best: tuple[CacheBlock | None, int] = (None, 0)
         for length in range(min(self.B - 1, len(rest)), 0, -1):
-            block = self._get(chain_key(self.fp, parent, rest[:length]))
+            block = self._get(chain_key(self.fp, parent, rest[:length]), hot_only)
             if block is not None:
                 best = (block, length)
                 break
@@ -409,18 +425,25 @@ class PrefixCache(PrefixCacheHooks):
         for shared, key in candidates:
             if shared <= best[1]:
                 break
-            block = self._get(key)
+            block = self._get(key, hot_only)
             if block is not None:
                 return block, shared
         return best
 
-    def _get(self, key: str) -> CacheBlock | None:
-        """A block from the hot tier, else RAM or the SSD (promoted to hot); None if in none."""
+    def _get(self, key: str, hot_only: bool = False) -> CacheBlock | None:
+        """A block from device memory, else (unless `hot_only`) RAM or the SSD, promoted to
+        hot; None if in none."""
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         if hot.contains(key):
             block = hot.get(key)
             if block is not None:
                 return block
+        block = self._unwritten.get(key)  # device memory still, though the hot tier let it go
+        if block is not None:
+            hot.put(block)
+            return block
+        if hot_only:
+            return None
         if warm is not None and warm.contains(key):
             block = self._from_warm(key)
             if block is not None:

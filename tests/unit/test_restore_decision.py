@@ -163,3 +163,33 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     assert not cache.write_back(idle=True)
     assert ssd.flush(10) and ssd.stats()["blocks"] == 0
     assert cache.tiers.stats()["unwritten_blocks"] == 0
+
+
+def test_a_run_judged_slower_than_recompute_is_not_fetched_by_the_tail_search() -> None:
+    """The token-level tail search must not fetch, one block at a time, what the decision
+    has just left for recomputing (on an H200 it did: a 'skipped' RAM restore came back as a
+    256-token tail, and the request was 0.2-0.3 s slower than a miss)."""
+    warm = HotTier(1 << 30)
+    block = 64  # a whole block is a tail long enough to be used on its own
+    cache = PrefixCache(CacheStore(HotTier(1), None, block, warm=warm), FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 6 * block + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
+    cache.prefill.observe(100_000, 0, 1e-6)  # recompute: 10^11 tokens/s
+    cache.warm_rate.observe(1e6, 1.0)  # RAM: 1 MB/s
+    caches, n = cache.lookup(tokens + [7, 7, 7])
+    assert (caches, n) == (None, 0)
+    assert cache.tiers.counters.skipped_restores == 1
+
+
+def test_one_slow_prefill_barely_moves_the_estimate_but_a_lasting_slowdown_does() -> None:
+    from omlx.cache.prefix_cache import PrefillCost
+
+    cost = PrefillCost()
+    for _ in range(5):
+        cost.observe(8000, 0, 0.12)
+    cost.observe(8000, 0, 0.36)  # a new prompt shape's graphs being built
+    assert cost.seconds(8000) < 0.12 * 1.25  # a fifth of its weight: the decisions hold
+    cost.observe(8000, 0, 0.12)
+    for _ in range(5):
+        cost.observe(8000, 0, 0.36)  # the device really is slower now: from the second, in full
+    assert cost.seconds(8000) > 0.25
