@@ -20,14 +20,18 @@ from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams
 
 
-def make_engine(model_path: Path, *, solo: bool, prefill_step_size: int = 512) -> LLMEngine:
+def make_engine(
+    model_path: Path, *, solo: bool, prefill_step_size: int = 512, own_prefill: bool | None = None
+) -> LLMEngine:
     def loader() -> SimpleNamespace:
         from mlx_lm import load
 
         model, tokenizer = load(str(model_path))
         return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
 
-    return LLMEngine("tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size)
+    return LLMEngine(
+        "tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size, own_prefill=own_prefill
+    )
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +59,11 @@ async def run_one(engine: LLMEngine, req: GenerationRequest, started: asyncio.Ev
     return out
 
 
-def alone(model_path: Path, reqs: list[GenerationRequest], *, solo: bool) -> list[dict]:
+def alone(
+    model_path: Path, reqs: list[GenerationRequest], *, solo: bool, own_prefill: bool | None = None
+) -> list[dict]:
     """Each request by itself, one after the other."""
-    engine = make_engine(model_path, solo=solo)
+    engine = make_engine(model_path, solo=solo, own_prefill=own_prefill)
 
     async def main() -> list[dict]:
         await engine.wait_ready()
@@ -138,11 +144,12 @@ def test_second_request_hands_the_solo_one_off_mid_decode(model_path: Path) -> N
     assert_handed_off_once(engine, main, expected, sampled_from=5)
 
 
-def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path) -> None:
+@pytest.mark.parametrize("own_prefill", [False, True], ids=["batch-prefills-the-rest", "engine-prefills-the-rest"])
+def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path, own_prefill: bool) -> None:
     long_prompt = [3 + (i * 13) % 390 for i in range(900)]
     a, b = request("a", long_prompt, 16), request("b", PROMPT_B, 16)
     expected = alone(model_path, [a, b], solo=True)
-    engine = make_engine(model_path, solo=True, prefill_step_size=16)
+    engine = make_engine(model_path, solo=True, prefill_step_size=16, own_prefill=own_prefill)
 
     async def main() -> list[dict]:
         await engine.wait_ready()
@@ -194,8 +201,8 @@ def test_newcomers_are_prefilled_by_the_engine_and_join_the_batch(model_path: Pa
         request("y", PROMPT_A, 24, repetition_penalty=1.2),
         request("z", [7 + (i * 5) % 390 for i in range(55)], 16),
     ]
-    expected = alone(model_path, reqs, solo=False)
-    engine = make_engine(model_path, solo=False, prefill_step_size=16)
+    expected = alone(model_path, reqs, solo=False, own_prefill=False)  # mlx-lm's batched prefill
+    engine = make_engine(model_path, solo=False, prefill_step_size=16, own_prefill=True)
     seen: list[tuple[int, int]] = []  # (sequences running, newcomers prefilling) at each clear
     real_clear = mx.clear_cache
 
@@ -226,7 +233,7 @@ def test_newcomers_are_prefilled_by_the_engine_and_join_the_batch(model_path: Pa
 def test_newcomer_cancelled_mid_prefill_leaves_the_others_running(model_path: Path) -> None:
     keep = request("k", PROMPT_B, 20)
     expected = alone(model_path, [keep], solo=False)[0]
-    engine = make_engine(model_path, solo=False, prefill_step_size=16)
+    engine = make_engine(model_path, solo=False, prefill_step_size=16, own_prefill=True)
     long_prompt = [3 + (i * 13) % 390 for i in range(900)]
 
     async def main() -> dict:
