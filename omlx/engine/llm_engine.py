@@ -404,7 +404,7 @@ class LLMEngine:
         if state.solo is not None:
             if state.uid == self._solo_uid:
                 self._solo_uid = None
-            else:
+            if state.uid in self._prefilling:
                 self._prefilling.remove(state.uid)
         else:
             self._bg.remove([state.uid])
@@ -494,20 +494,22 @@ class LLMEngine:
         returns the token its last step computed (so no forward pass is in flight), and joins
         with that token as the one left to feed."""
         state = self._running[self._solo_uid]
-        self._solo_uid = None
-        self.solo_handoffs += 1
         if state.solo.prefilling:
+            self._solo_uid = None
+            self.solo_handoffs += 1
             if self.own_prefill:
                 self._prefilling.insert(0, state.uid)  # it came first
             else:
                 self._join_batch(state)  # the rest of its prompt with it
             return
         unfed = self._solo_token(state, launch=False)
+        self._solo_uid = None
         if state.uid not in self._running:
             return  # that token ended it
         self._flush(state)
         self._store_solo_prompt(state)
         self._join_batch(state, unfed)
+        self.solo_handoffs += 1
 
     def _join_batch(self, state: _Running, unfed: int | None = None) -> None:
         """Insert a sequence decoding or prefilling on its own into the BatchGenerator."""
