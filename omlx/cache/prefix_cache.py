@@ -8,8 +8,9 @@ that engine thread; the SSD writer only writes bytes of evaluated arrays.
 Stored blocks go to the hot tier at once and to the SSD writer later (`write_back`):
 handing a block over copies it to host memory on the engine thread, which on a CUDA GPU
 runs at ~2 GB/s (a 30,000-token prompt of an 8B model: ~2 s during which no stream
-decodes). So the copies wait until the engine is idle, or until more than
-`WRITE_BACK_BOUND` bytes wait.
+decodes). So on a CUDA GPU the copies wait until the engine is idle, or until more than
+`WRITE_BACK_BOUND_GPU` bytes wait; elsewhere (unified memory, the copy is cheap) they
+follow each step. Either way at most `WRITE_BACK_CHUNK` bytes per engine loop.
 
 Beyond full blocks, each stored sequence also leaves its unfinished tail as a
 "partial" block keyed by (parent block, its exact tokens). The next turn of a
@@ -39,6 +40,7 @@ from omlx.cache.block_hash import block_keys, chain_key, model_fingerprint, weig
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.ssd_tier import SSDTier
 from omlx.engine.llm_engine import PrefixCacheHooks
+from omlx.platform_info import discrete_gpu
 
 log = logging.getLogger("omlx.cache")
 
@@ -48,12 +50,12 @@ MAX_SIBLINGS = 16
 # template's header) save no measurable prefill, yet make the request's prompt length differ
 # from its prefill batch-mates', which sends the batch through mlx-lm's padded path.
 MIN_TAIL_ONLY_TOKENS = 32
-# Blocks waiting for the SSD while the engine is busy; beyond this, the oldest are handed
-# over between steps. When idle, up to WRITE_BACK_CHUNK bytes per engine loop, so a request
-# that arrives waits for at most that much copying.
-WRITE_BACK_BOUND = 1 << 30
-SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
+# Blocks that may wait for the SSD in device memory while a CUDA engine is busy (beyond it,
+# the oldest are handed over between steps); at most WRITE_BACK_CHUNK bytes per engine loop,
+# so a step, or a request arriving at an idle engine, waits for at most that much copying.
+WRITE_BACK_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 64 << 20
+SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -251,6 +253,7 @@ class PrefixCache(PrefixCacheHooks):
         self._unwritten: OrderedDict[str, CacheBlock] = OrderedDict()
         self._unwritten_bytes = 0
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
+        self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
         # parent key ("" = root) → children stored by this process, with their tokens
         self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
@@ -532,25 +535,40 @@ class PrefixCache(PrefixCacheHooks):
 
     # ----- SSD write-back ----------------------------------------------------------
     def write_back(self, idle: bool) -> bool:
-        """Hand stored blocks to the SSD writer, oldest first: when `idle`, up to
-        `WRITE_BACK_CHUNK` bytes (at least one block); when busy, those beyond
-        `WRITE_BACK_BOUND`. True while some still wait."""
-        self._drop_unwritten_if_cleared()
+        """Hand stored blocks to the SSD writer, oldest first: up to `WRITE_BACK_CHUNK` bytes
+        (at least one block), when `idle` or beyond `write_back_bound`, while the writer has
+        room. True when some were handed over and more wait."""
         ssd = self.tiers.ssd
-        if not self._unwritten or ssd is None:
-            return False
         handed = 0
-        while self._unwritten:
-            if idle and handed and handed + next(iter(self._unwritten.values())).nbytes > WRITE_BACK_CHUNK:
+        while self._unwritten and ssd is not None:
+            self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
+            if not self._unwritten:
                 break
-            if not idle and self._unwritten_bytes <= WRITE_BACK_BOUND:
+            block = next(iter(self._unwritten.values()))
+            if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
                 break
-            _, block = self._unwritten.popitem(last=False)
+            if (not idle and self._unwritten_bytes <= self.write_back_bound) or not ssd.has_room():
+                break
+            del self._unwritten[block.key]
             self._unwritten_bytes -= block.nbytes
             handed += block.nbytes
-            ssd.put(block)  # copies it to host memory here, on the engine thread
+            try:
+                ssd.put(block)  # copies it to host memory here, on the engine thread
+            except Exception:  # that block stays unwritten; the rest go on
+                log.exception("handing block %s to the SSD writer failed", block.key)
         self._count_unwritten()
-        return bool(self._unwritten)
+        return handed > 0 and bool(self._unwritten)
+
+    def write_back_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self._unwritten and self.tiers.ssd is not None and time.monotonic() < deadline:
+            if not self.write_back(idle=True) and self._unwritten:
+                time.sleep(0.01)  # the writer's queue is full: let it drain
+        if self._unwritten:
+            log.warning("%d prefix-cache blocks of %s were not written to the SSD", len(self._unwritten), self.model_id)
+            self._unwritten.clear()
+            self._unwritten_bytes = 0
+            self._count_unwritten()
 
     def _drop_unwritten_if_cleared(self) -> None:
         """After `CacheStore.clear()` (any thread) the blocks stored before it stay unwritten."""

@@ -376,6 +376,11 @@ class SSDTier:
 
     # ------------------------------------------------------------------ writes
 
+    def has_room(self) -> bool:
+        """Whether the write queue is under half full: callers that can hold blocks back
+        (the prefix cache's write-back) wait rather than have `put` drop them."""
+        return self._queue.qsize() < max(1, self._queue.maxsize // 2)
+
     def put(self, block: CacheBlock) -> bool:
         """Queue ``block`` for writing; True when queued. Never blocks on I/O.
 

@@ -5,9 +5,10 @@ prefill chunk; on a CUDA GPU that is slow (every cached buffer is freed one by o
 next steps allocate theirs again): on an H200, 32 streams arriving over 0.3 s spent 16% of
 the engine thread in it, and each group of newcomers stalled the others' decoding. So on
 CUDA the engine prefills newcomers itself (`LLMEngine.own_prefill`; on a CPU mlx-lm's batched
-prefill stays faster), and everywhere it trims the cache only when it holds a lot (a long
-prompt's KV cache grows by concatenation, and every outgrown buffer stays cached) and empties
-it when it falls idle.
+prefill stays faster, clears included). The engine's own prefills (solo requests, and
+newcomers on CUDA) trim the cache only when it holds a lot (a long prompt's KV cache grows
+by concatenation, and every outgrown buffer stays cached), and an engine that falls idle
+empties it.
 """
 
 from __future__ import annotations

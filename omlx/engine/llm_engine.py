@@ -64,8 +64,13 @@ class PrefixCacheHooks:
         return None
 
     def write_back(self, idle: bool) -> bool:
-        """Move stored blocks on to slower tiers (engine thread); True while some wait."""
+        """Move some stored blocks on to slower tiers (engine thread); True when it moved some
+        and more wait (call again soon)."""
         return False
+
+    def write_back_all(self, timeout: float) -> None:
+        """At shutdown: move everything still waiting, for up to `timeout` seconds."""
+        return None
 
 
 @dataclass(eq=False)
@@ -328,12 +333,14 @@ class LLMEngine:
             return
         with mx.stream(self._stream):
             self._loop()
-            while self._write_back(idle=True):  # stopping: what waits for the SSD goes now
-                pass
+            try:  # stopping: what waits for the SSD goes now (shutdown() joins for 10 s)
+                self.prefix_cache.write_back_all(timeout=8.0)
+            except Exception:
+                log.exception("writing prefix-cache blocks of %s back at shutdown failed", self.model_id)
         self._bg.close()
 
     def _loop(self) -> None:
-        unwritten = False  # stored blocks wait for the SSD: an idle engine writes them back
+        unwritten = False  # stored blocks wait for the SSD and the writer takes more: go on soon
         while not self._stop.is_set():
             idle = not self._running and not self._waiting
             try:
@@ -424,6 +431,8 @@ class LLMEngine:
     def _insert(self, handle: _Handle) -> None:
         req = handle.request
         tokens = req.prompt_tokens
+        queued = max(0.0, time.time() - req.created)
+        taken = time.perf_counter()
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
             prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
@@ -436,8 +445,6 @@ class LLMEngine:
                 ),
             )
             return
-        queued = max(0.0, time.time() - req.created)
-        taken = time.perf_counter()
         cache, cached = self.prefix_cache.lookup(tokens)
         stop_seqs = None
         if req.stop_token_ids:

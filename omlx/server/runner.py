@@ -66,8 +66,12 @@ def run_server(settings: Settings) -> None:
     # which a reboot empties; keep them with oMLX's other state so only the first start pays.
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(settings.home / "kernel-cache"))
     # Its prefill attention runs cuDNN graphs built per (chunk, context) shape, ~60 ms each on
-    # an H200, in an LRU of 128 by default: one 32,000-token prompt needs 63. Keep more.
-    os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "2048")
+    # an H200, in an LRU of 128 by default: one 32,000-token prompt needs 63. Keep more. And
+    # MLX raises an error on every new shape once a process has missed twice an LRU's
+    # capacity (its "cache thrashing" check): a server meets new prompt lengths all its life,
+    # so after a few hundred requests every prefill would fail. Misses only cost time here.
+    os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "1024")
+    os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
     from omlx.models.loader import resolve_compute_dtype
     from omlx.platform_info import BLAS_HINT, blas_in_use, cuda_backend_problem, device_info
     from omlx.server.app import create_app

@@ -131,7 +131,8 @@ def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(mo
 
 def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tmp_path: Path, monkeypatch) -> None:
     """Handing a block to the SSD writer copies it to host memory on the engine thread (slow
-    on a CUDA GPU): a busy engine defers it up to a bound, an idle one writes in chunks."""
+    on a CUDA GPU): a busy engine defers it up to a bound, and every call hands over at most a
+    chunk, so no step or arriving request waits for more than that."""
     from omlx.cache import prefix_cache
 
     cache = open_cache(tmp_path)
@@ -140,16 +141,27 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     cache.store(tokens, kv(len(tokens)), final=True)  # 8 full blocks + a 1-token tail
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     assert cache.tiers.stats()["unwritten_blocks"] == 9
-    assert cache.write_back(idle=False)  # busy, under the bound: nothing moves, all still wait
+    cache.write_back_bound = 1 << 30  # as on a CUDA GPU
+    assert not cache.write_back(idle=False)  # busy, under the bound: nothing moves
     assert ssd.flush(10) and ssd.stats()["writes"] == 0
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_BOUND", 3 * block_bytes)
-    assert cache.write_back(idle=False)  # busy, over the bound: the oldest go, down to it
-    assert ssd.flush(10) and ssd.stats()["writes"] == 6
+    cache.write_back_bound = 3 * block_bytes
     monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 2 * block_bytes)
+    writes = []
+    while cache.write_back(idle=False):  # busy, over the bound: a chunk per step, down to it
+        assert ssd.flush(10)
+        writes.append(ssd.stats()["writes"])
+    assert writes == [2, 4, 6] and ssd.stats()["writes"] == 6
     assert cache.write_back(idle=True)  # idle: a chunk per call
     assert ssd.flush(10) and ssd.stats()["writes"] == 8
-    assert not cache.write_back(idle=True)
+    assert not cache.write_back(idle=True)  # the last one; nothing waits now
     assert ssd.flush(10) and ssd.stats()["writes"] == 9
+    assert cache.tiers.stats()["unwritten_blocks"] == 0
+
+    # shutdown: everything still waiting goes
+    more = list(range(300, 300 + 4 * B))
+    cache.store(more, kv(len(more)), final=True)
+    cache.write_back_all(timeout=10)
+    assert ssd.flush(10) and ssd.stats()["writes"] == 13
     assert cache.tiers.stats()["unwritten_blocks"] == 0
 
     # a block the hot tier let go before its write-back is still found
