@@ -277,7 +277,7 @@ class PrefixCache(PrefixCacheHooks):
         for i, key in enumerate(keys):
             if (i + 1) * self.B > limit:
                 break
-            block = hot.get(key)
+            block = hot.get(key)  # counts the hot tier's hits and misses, as `_get` does not
             if block is None:  # the hot tier let it go before it was written to the SSD
                 block = self._unwritten.get(key)
                 if block is None:
@@ -539,8 +539,10 @@ class PrefixCache(PrefixCacheHooks):
         (at least one block), when `idle` or beyond `write_back_bound`, while the writer has
         room. True when some were handed over and more wait."""
         ssd = self.tiers.ssd
+        if not self._unwritten or ssd is None:  # the common case, after every engine step
+            return False
         handed = 0
-        while self._unwritten and ssd is not None:
+        while self._unwritten:
             self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
             if not self._unwritten:
                 break
@@ -561,7 +563,7 @@ class PrefixCache(PrefixCacheHooks):
 
     def write_back_all(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self._unwritten and self.tiers.ssd is not None and time.monotonic() < deadline:
+        while self._unwritten and time.monotonic() < deadline:
             if not self.write_back(idle=True) and self._unwritten:
                 time.sleep(0.01)  # the writer's queue is full: let it drain
         if self._unwritten:

@@ -24,14 +24,9 @@ TRIM_MIN_BYTES = 512 * 1024 * 1024
 @functools.cache
 def trim_threshold() -> int:
     """Bytes of cached buffers above which a prefill chunk empties the cache."""
-    from omlx.platform_info import gpu_memory_bytes
+    from omlx.cache.setup import hot_tier_total_bytes  # the device's memory, else RAM
 
-    total = gpu_memory_bytes()
-    if total is None:
-        import psutil
-
-        total = psutil.virtual_memory().total
-    return max(TRIM_MIN_BYTES, int(total * TRIM_FRACTION))
+    return max(TRIM_MIN_BYTES, int(hot_tier_total_bytes() * TRIM_FRACTION))
 
 
 def trim_buffer_cache() -> None:
