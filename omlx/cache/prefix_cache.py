@@ -98,7 +98,10 @@ class CacheStore:
 
     `warm` (host RAM, for discrete GPUs) receives the blocks the hot tier evicts, as host
     bytes; the hot tier's evictions happen on the engine thread that stores, so the copy
-    out of device memory does too."""
+    out of device memory does too. Each model's `PrefixCache` follows the evictions of its
+    blocks (`follow`): one that still waits for the SSD goes to the writer then, as the RAM
+    tier's copy where there is one, so device memory never holds blocks outside the hot
+    tier's budget and no block is copied out twice."""
 
     def __init__(self, hot: HotTier, ssd: SSDTier | None, block_size: int, warm: HotTier | None = None):
         self.hot = hot
@@ -107,14 +110,28 @@ class CacheStore:
         self.block_size = block_size
         self.counters = CacheCounters()
         self.generation = 0  # bumped by clear(): blocks stored before it are not written back
-        if self.warm is not None:
-            self.hot.on_evict = self._to_warm
+        # model fingerprint -> what its PrefixCache does with a block the hot tier let go
+        self._followers: dict[str, Callable[[CacheBlock, HostBlock | None], None]] = {}
+        self.hot.on_evict = self._left_device
 
-    def _to_warm(self, block: CacheBlock) -> None:
+    def follow(self, fingerprint: str, on_evicted: Callable[[CacheBlock, HostBlock | None], None]) -> None:
+        """Call `on_evicted(block, host_copy)` for each block of that model the hot tier lets go."""
+        self._followers[fingerprint] = on_evicted
+
+    def unfollow(self, fingerprint: str, on_evicted: Callable[[CacheBlock, HostBlock | None], None]) -> None:
+        if self._followers.get(fingerprint) == on_evicted:  # a reloaded model's may have replaced it
+            del self._followers[fingerprint]
+
+    def _left_device(self, block: CacheBlock) -> None:
         """A block leaving device memory goes to host RAM, copied out, unless RAM still holds
         it (a block restored from RAM that the hot tier could not keep): no second copy."""
-        if not self.warm.touch(block.key):
-            self.warm.put(HostBlock.of(block, copy=True))
+        host = None
+        if self.warm is not None and not self.warm.touch(block.key):
+            host = HostBlock.of(block, copy=True)
+            self.warm.put(host)
+        follower = self._followers.get(block.fingerprint)
+        if follower is not None:
+            follower(block, host)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -249,12 +266,16 @@ class PrefixCache(PrefixCacheHooks):
         self.warm_rate = Throughput()  # bytes/s of restores from host RAM (the warm tier)
         self.bytes_per_token = 0
         # stored blocks not yet handed to the SSD writer, oldest first, and the store's
-        # generation they belong to
+        # generation they belong to; the lock because the hot tier may let one go on another
+        # model's engine thread (`_left_device`)
+        self._unwritten_lock = threading.RLock()
         self._unwritten: OrderedDict[str, CacheBlock] = OrderedDict()
         self._unwritten_bytes = 0
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
+        if store.ssd is not None:
+            store.follow(fingerprint, self._left_device)
         # parent key ("" = root) → children stored by this process, with their tokens
         self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
         # What was measured survives a restart beside the SSD blocks, so the first restore
@@ -278,8 +299,8 @@ class PrefixCache(PrefixCacheHooks):
             if (i + 1) * self.B > limit:
                 break
             block = hot.get(key)  # counts the hot tier's hits and misses, as `_get` does not
-            if block is None:  # the hot tier let it go before it was written to the SSD
-                block = self._unwritten.get(key)
+            if block is None:  # the hot tier let it go while the SSD writer had no room for it
+                block = self._unwritten_block(key)
                 if block is None:
                     break
                 hot.put(block)
@@ -441,7 +462,7 @@ class PrefixCache(PrefixCacheHooks):
             block = hot.get(key)
             if block is not None:
                 return block
-        block = self._unwritten.get(key)  # device memory still, though the hot tier let it go
+        block = self._unwritten_block(key)  # device memory still, though the hot tier let it go
         if block is not None:
             hot.put(block)
             return block
@@ -515,11 +536,12 @@ class PrefixCache(PrefixCacheHooks):
             self._remember_child(parent, key, tokens[a:b])
         mx.eval([t for b in blocks for t in b.tensors.values()])
         for block in blocks:
-            hot.put(block)
             if ssd is not None:
-                self._unwritten[block.key] = block
-                self._unwritten_bytes += block.nbytes
-        self._count_unwritten()
+                with self._unwritten_lock:
+                    self._unwritten[block.key] = block
+                    self._unwritten_bytes += block.nbytes
+                    self._count_unwritten()
+            hot.put(block)  # after: one the hot tier cannot keep goes to the SSD writer at once
         if not self.bytes_per_token and blocks:
             self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
 
@@ -534,6 +556,11 @@ class PrefixCache(PrefixCacheHooks):
         )
 
     # ----- SSD write-back ----------------------------------------------------------
+    def _unwritten_block(self, key: str) -> CacheBlock | None:
+        with self._unwritten_lock:
+            self._drop_unwritten_if_cleared()
+            return self._unwritten.get(key)
+
     def write_back(self, idle: bool) -> bool:
         """Hand stored blocks to the SSD writer, oldest first: up to `WRITE_BACK_CHUNK` bytes
         (at least one block), when `idle` or beyond `write_back_bound`, while the writer has
@@ -542,45 +569,71 @@ class PrefixCache(PrefixCacheHooks):
         if not self._unwritten or ssd is None:  # the common case, after every engine step
             return False
         handed = 0
-        while self._unwritten:
-            self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
-            if not self._unwritten:
-                break
-            block = next(iter(self._unwritten.values()))
-            if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
-                break
-            if (not idle and self._unwritten_bytes <= self.write_back_bound) or not ssd.has_room():
-                break
-            del self._unwritten[block.key]
-            self._unwritten_bytes -= block.nbytes
+        while True:
+            with self._unwritten_lock:
+                self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
+                if not self._unwritten:
+                    break
+                block = next(iter(self._unwritten.values()))
+                if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
+                    break
+                if (not idle and self._unwritten_bytes <= self.write_back_bound) or not ssd.has_room():
+                    break
+                self._take_unwritten(block)
             handed += block.nbytes
-            try:
-                ssd.put(block)  # copies it to host memory here, on the engine thread
-            except Exception:  # that block stays unwritten; the rest go on
-                log.exception("handing block %s to the SSD writer failed", block.key)
-        self._count_unwritten()
+            self._hand_to_ssd(block)  # copies it to host memory here, on the engine thread
         return handed > 0 and bool(self._unwritten)
 
-    def write_back_all(self, timeout: float) -> None:
+    def _left_device(self, block: CacheBlock, host: HostBlock | None) -> None:
+        """The hot tier let `block` go (on some engine thread). If it still waits for the SSD
+        it goes to the writer now, as `host` (the RAM tier's copy) when there is one: kept
+        waiting, it would hold device memory outside the hot tier's budget, and be copied
+        out a second time later. Only a writer without room makes it wait (`write_back`)."""
+        with self._unwritten_lock:
+            self._drop_unwritten_if_cleared()
+            if block.key not in self._unwritten or not self.tiers.ssd.has_room():
+                return
+            self._take_unwritten(block)
+        self._hand_to_ssd(host if host is not None else block)
+
+    def _take_unwritten(self, block: CacheBlock) -> None:
+        # caller holds self._unwritten_lock
+        del self._unwritten[block.key]
+        self._unwritten_bytes -= block.nbytes
+        self._count_unwritten()
+
+    def _hand_to_ssd(self, block: CacheBlock | HostBlock) -> None:
+        try:
+            self.tiers.ssd.put(block)
+        except Exception:  # that block is not written; caching is an optimisation
+            log.exception("handing block %s to the SSD writer failed", block.key)
+
+    def close(self, timeout: float) -> None:
+        """At engine shutdown: hand the SSD writer what still waits (for up to `timeout` s),
+        and stop following the store's evictions."""
         deadline = time.monotonic() + timeout
         while self._unwritten and time.monotonic() < deadline:
             if not self.write_back(idle=True) and self._unwritten:
                 time.sleep(0.01)  # the writer's queue is full: let it drain
-        if self._unwritten:
-            log.warning("%d prefix-cache blocks of %s were not written to the SSD", len(self._unwritten), self.model_id)
-            self._unwritten.clear()
-            self._unwritten_bytes = 0
-            self._count_unwritten()
+        with self._unwritten_lock:
+            if self._unwritten:
+                log.warning("%d prefix-cache blocks of %s were not written to the SSD", len(self._unwritten), self.model_id)
+                self._unwritten.clear()
+                self._unwritten_bytes = 0
+                self._count_unwritten()
+        self.tiers.unfollow(self.fp, self._left_device)
 
     def _drop_unwritten_if_cleared(self) -> None:
         """After `CacheStore.clear()` (any thread) the blocks stored before it stay unwritten."""
-        if self._generation != self.tiers.generation:
-            self._generation = self.tiers.generation
-            self._unwritten.clear()
-            self._unwritten_bytes = 0
-            self._count_unwritten()
+        with self._unwritten_lock:
+            if self._generation != self.tiers.generation:
+                self._generation = self.tiers.generation
+                self._unwritten.clear()
+                self._unwritten_bytes = 0
+                self._count_unwritten()
 
     def _count_unwritten(self) -> None:
+        # caller holds self._unwritten_lock
         c = self.tiers.counters
         with c.lock:
             c.unwritten_blocks += len(self._unwritten) - self._counted_unwritten

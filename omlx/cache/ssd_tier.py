@@ -381,13 +381,14 @@ class SSDTier:
         (the prefix cache's write-back) wait rather than have `put` drop them."""
         return self._queue.qsize() < max(1, self._queue.maxsize // 2)
 
-    def put(self, block: CacheBlock) -> bool:
+    def put(self, block: CacheBlock | HostBlock) -> bool:
         """Queue ``block`` for writing; True when queued. Never blocks on I/O.
 
-        Skips blocks already stored or queued. Evaluates the tensors here (a no-op when the
-        caller already did) so the writer thread only copies bytes and never runs a graph
-        built on the caller's stream. When the queue is full the write is dropped and
-        counted in ``dropped_writes``.
+        Skips blocks already stored or queued. A ``CacheBlock``'s tensors are evaluated and
+        viewed as bytes here (a no-op when the caller already evaluated them) so the writer
+        thread only copies bytes and never runs a graph built on the caller's stream; a
+        ``HostBlock`` (bytes already in host memory, e.g. the RAM tier's copy) is queued as
+        is. When the queue is full the write is dropped and counted in ``dropped_writes``.
         """
         if not self.enabled or self._closed or not _is_key(block.key):
             return False
@@ -402,7 +403,8 @@ class SSDTier:
                 return False
             self._pending.add(block.key)
             self._inflight += 1
-        item = HostBlock.of(block, copy=False)  # the only MLX work of a write, on the caller's thread
+        # the only MLX work of a write, on the caller's thread
+        item = block if isinstance(block, HostBlock) else HostBlock.of(block, copy=False)
         try:
             self._queue.put_nowait(item)
         except queue.Full:

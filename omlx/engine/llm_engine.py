@@ -68,7 +68,7 @@ class PrefixCacheHooks:
         and more wait (call again soon)."""
         return False
 
-    def write_back_all(self, timeout: float) -> None:
+    def close(self, timeout: float) -> None:
         """At shutdown: move everything still waiting, for up to `timeout` seconds."""
         return None
 
@@ -334,7 +334,7 @@ class LLMEngine:
         with mx.stream(self._stream):
             self._loop()
             try:  # stopping: what waits for the SSD goes now (shutdown() joins for 10 s)
-                self.prefix_cache.write_back_all(timeout=8.0)
+                self.prefix_cache.close(timeout=8.0)
             except Exception:
                 log.exception("writing prefix-cache blocks of %s back at shutdown failed", self.model_id)
         self._bg.close()

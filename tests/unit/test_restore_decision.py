@@ -157,14 +157,7 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     assert ssd.flush(10) and ssd.stats()["writes"] == 9
     assert cache.tiers.stats()["unwritten_blocks"] == 0
 
-    # shutdown: everything still waiting goes
-    more = list(range(300, 300 + 4 * B))
-    cache.store(more, kv(len(more)), final=True)
-    cache.write_back_all(timeout=10)
-    assert ssd.flush(10) and ssd.stats()["writes"] == 13
-    assert cache.tiers.stats()["unwritten_blocks"] == 0
-
-    # a block the hot tier let go before its write-back is still found
+    # a block the hot tier dropped (a clear of that tier alone) before its write-back is found
     other = list(range(500, 500 + 2 * B + 1))
     cache.store(other, kv(len(other)), final=True)
     cache.tiers.hot.clear()
@@ -175,6 +168,87 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     assert not cache.write_back(idle=True)
     assert ssd.flush(10) and ssd.stats()["blocks"] == 0
     assert cache.tiers.stats()["unwritten_blocks"] == 0
+
+    # shutdown: everything still waiting goes
+    more = list(range(300, 300 + 4 * B))
+    cache.store(more, kv(len(more)), final=True)
+    cache.close(timeout=10)
+    assert ssd.flush(10) and ssd.stats()["writes"] == 13
+    assert cache.tiers.stats()["unwritten_blocks"] == 0
+    ssd.close()
+
+
+def counted_host_copies(monkeypatch) -> list[tuple[str, bool]]:
+    """(key, copy) of every device -> host view or copy of a block, from here on."""
+    from omlx.cache.block import HostBlock
+
+    calls: list[tuple[str, bool]] = []
+    original = HostBlock.of
+
+    def counting(block, copy=False):
+        calls.append((block.key, copy))
+        return original(block, copy=copy)
+
+    monkeypatch.setattr(HostBlock, "of", counting)
+    return calls
+
+
+def test_an_unwritten_block_the_hot_tier_lets_go_goes_to_the_ssd_as_the_ram_copy(tmp_path: Path, monkeypatch) -> None:
+    """On a CUDA GPU stored blocks wait in device memory for an idle engine before the SSD
+    gets them. One the hot tier evicts meanwhile must not stay there outside its budget, nor
+    be copied out twice (once for RAM, once for the SSD): the SSD writer takes the RAM copy."""
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    warm = HotTier(1 << 30)
+    cache = PrefixCache(CacheStore(HotTier(3 * block_bytes), ssd, B, warm=warm), FP, LAYERS, "m")
+    cache.write_back_bound = 1 << 30  # as on a CUDA GPU: nothing is written while busy
+    copies = counted_host_copies(monkeypatch)
+    tokens = list(range(10, 10 + 8 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)  # 9 blocks; the hot tier keeps the last 3
+    assert cache.tiers.hot.stats()["blocks"] == 3 and warm.stats()["blocks"] == 6
+    assert cache.tiers.stats()["unwritten_blocks"] == 3
+    assert cache._unwritten_bytes == cache.tiers.hot.stats()["bytes"]  # no device bytes outside the budget
+    assert ssd.flush(10) and ssd.stats()["writes"] == 6  # the evicted six, from their RAM copies
+    assert [copy for _, copy in copies] == [True] * 6
+    assert not cache.write_back(idle=True)  # idle: the three left, viewed (not copied) for the writer
+    assert ssd.flush(10) and ssd.stats()["writes"] == 9
+    assert len(copies) == 9 and len({key for key, _ in copies}) == 9  # each block out of device memory once
+    ssd.close()
+    again = open_cache(tmp_path)  # what was written from RAM copies restores as stored
+    again.prefill.observe(100, 0, 100.0)
+    caches, n = again.lookup(tokens)
+    assert n == 8 * B
+    for layer, c in enumerate(kv(len(tokens))):
+        assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
+        assert mx.array_equal(caches[layer].state[1], c.values[:, :, : 8 * B, :])
+    again.tiers.ssd.close()
+
+
+def test_without_a_ram_tier_an_evicted_unwritten_block_goes_to_the_ssd_unless_it_is_full(
+    tmp_path: Path, monkeypatch
+) -> None:
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    cache = PrefixCache(CacheStore(HotTier(2 * block_bytes), ssd, B), FP, LAYERS, "m")
+    cache.write_back_bound = 1 << 30
+    tokens = list(range(10, 10 + 4 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    assert ssd.flush(10) and ssd.stats()["writes"] == 2  # the two the hot tier let go
+    assert cache.tiers.stats()["unwritten_blocks"] == 2
+    # a writer without room: evicted blocks wait (still found) rather than be dropped
+    monkeypatch.setattr(ssd, "has_room", lambda: False)
+    more = list(range(300, 300 + 2 * B + 1))
+    cache.store(more, kv(len(more)), final=True)
+    assert cache.tiers.stats()["unwritten_blocks"] == 5 and ssd.stats()["dropped_writes"] == 0
+    caches, n = cache.lookup(more)  # its first block waits outside the hot tier
+    assert n == 2 * B and caches[0].offset == 2 * B
+    monkeypatch.undo()
+    cache.close(timeout=10)
+    assert ssd.flush(10) and ssd.stats()["writes"] == 7
+    assert cache.tiers.stats()["unwritten_blocks"] == 0
+    ssd.close()
 
 
 def test_a_run_judged_slower_than_recompute_is_not_fetched_by_the_tail_search() -> None:
