@@ -13,7 +13,7 @@ adds the HTTP layer and the clients on top.
 allowed).
 
 Usage: python benchmarks/gpu/batch_probe.py MODEL_DIR [--streams 32] [--tokens 256]
-       [--prompt-tokens 128] [--rounds 3] [--profile PATH]
+       [--prompt-tokens 128] [--length-spread 0] [--rounds 3] [--profile PATH]
 (MODEL_DIR: e.g. a folder that `bench_gpu.py` built under /tmp/omlx-bench-gpu/models.)
 """
 
@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--length-spread", type=int, default=0, help="prompts of 4 lengths this many tokens apart")
     ap.add_argument("--profile", type=Path)
     args = ap.parse_args()
 
@@ -174,9 +175,9 @@ def main() -> None:
     model, tokenizer = load(str(args.model))
     eos = sorted(set(tokenizer.eos_token_ids or [])) or [2]
     procs = make_logits_processors(logit_bias={e: -100.0 for e in eos})
-    # distinct prompts of a few lengths, as clients send
+    # distinct prompts; of one length as in bench_gpu.py's part (b), or of four
     prompts = [
-        [3 + (i * 131 + j * 7919) % 500 for j in range(args.prompt_tokens - 8 * (i % 4))]
+        [3 + (i * 131 + j * 7919) % 500 for j in range(args.prompt_tokens - args.length_spread * (i % 4))]
         for i in range(args.streams)
     ]
     kinds = {

@@ -4,8 +4,8 @@ MLX keeps freed buffers for reuse. mlx-lm empties that cache (`mx.clear_cache`) 
 prefill chunk; on a CUDA GPU that is slow (every cached buffer is freed one by one, and the
 next steps allocate theirs again): on an H200, 32 streams arriving over 0.3 s spent 16% of
 the engine thread in it, and each group of newcomers stalled the others' decoding. So on
-CUDA the engine prefills newcomers itself (`LLMEngine.own_prefill`; on a CPU mlx-lm's batched
-prefill stays faster, clears included). The engine's own prefills (solo requests, and
+CUDA the engine prefills newcomers itself (`LLMEngine.own_prefill`, chunks of one shape
+batched; on a CPU mlx-lm's batched prefill stays faster, clears included). The engine's own prefills (solo requests, and
 newcomers on CUDA) trim the cache only when it holds a lot (a long prompt's KV cache grows
 by concatenation, and every outgrown buffer stays cached), and an engine that falls idle
 empties it.

@@ -7,9 +7,11 @@ prefixes, turns tokens into text with stop strings applied, and stores new
 prefix-cache blocks. A request that arrives to an idle engine runs as a
 `SoloSequence` (mlx-lm's single-sequence loop, cheaper per step) until a second one
 arrives; then it joins the `BatchGenerator` with its cache. On a CUDA GPU newcomers
-to a busy engine are prefilled by the engine itself, a chunk per step, and join the
-batch with their last prompt token (why: `omlx/engine/buffers.py`); elsewhere mlx-lm's
-batched prefill is faster (8 streams on a 2-core CPU: TTFT 1.6 s vs 2.1 s).
+to a busy engine are prefilled by the engine itself, a chunk per step (chunks of one shape
+in one forward pass), and join the batch with their last prompt token (why:
+`omlx/engine/buffers.py`); elsewhere mlx-lm's batched prefill, which also pads prompts of
+different lengths into one batch, is faster (8 streams on a 2-core CPU: TTFT 1.6 s vs 2.1 s,
+measured before same-shape chunks were batched).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
-from omlx.engine.solo import SoloSequence
+from omlx.engine.solo import SoloSequence, feed_chunks_together
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.loader import LoadedLLM
@@ -289,15 +291,19 @@ class LLMEngine:
                 (ids[:5], None, []),
             ]
             for group in (newcomers[:2], newcomers[2:]):
-                for prompt, sampler, processors in group:
+                seqs = [
+                    SoloSequence(
+                        self.model, prompt, cache=None, cached=[], sampler=sampler,
+                        logits_processors=processors, prefill_step_size=4,
+                    )  # fmt: skip
+                    for prompt, sampler, processors in group
+                ]
+                if self.own_prefill:  # the first two chunks of the first two in one batch
+                    while not all(feed_chunks_together(seqs)):
+                        pass
+                for seq, (prompt, sampler, processors) in zip(seqs, group, strict=True):
                     todo, cache, fed = prompt, None, None
                     if self.own_prefill:
-                        seq = SoloSequence(
-                            self.model, prompt, cache=None, cached=[], sampler=sampler,
-                            logits_processors=processors, prefill_step_size=4,
-                        )  # fmt: skip
-                        while not seq.feed_chunk():
-                            pass
                         seq.wait()
                         todo, cache, fed = seq.handoff()
                     self._bg.insert(
@@ -527,10 +533,12 @@ class LLMEngine:
         self._running[uid] = state
 
     def _prefill_newcomers(self) -> None:
-        """A prompt chunk for each of the first `prefill_batch_size` newcomers, waited for
-        together; those left with only their last token join the batch."""
+        """A prompt chunk for each of the first `prefill_batch_size` newcomers (chunks of one
+        shape in one forward pass), waited for together; those left with only their last
+        token join the batch."""
         group = [self._running[uid] for uid in self._prefilling[: self.prefill_batch_size]]
-        ready = [state for state in group if state.solo.feed_chunk()]
+        fed = feed_chunks_together([state.solo for state in group])
+        ready = [state for state, done in zip(group, fed, strict=True) if done]
         for state in group:
             state.solo.wait()
         trim_buffer_cache()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import TokenBuffer, make_prompt_cache
+from mlx_lm.models.cache import KVCache, TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from omlx.engine.buffers import trim_buffer_cache
@@ -67,16 +67,26 @@ class SoloSequence:
         from the sequence's start: then long prompts repeat the same (chunk, context) shapes
         whatever was restored before them, and MLX's CUDA backend, which builds a cuDNN
         attention graph per shape (~60 ms on an H200), reuses what it built."""
-        if len(self.todo) > 1:
-            size = self.step_size - len(self.fed) % self.step_size
-            chunk = self.todo[: min(size, len(self.todo) - 1)]
+        n = self.chunk_len()
+        if n:
+            chunk = self.todo[:n]
             self.model(mx.array(chunk)[None], cache=self.cache)
             mx.async_eval([c.state for c in self.cache])
-            if self.context is not None:
-                self.context.update_and_fetch(mx.array(chunk, dtype=mx.int32))
-            self.fed += chunk
-            self.todo = self.todo[len(chunk) :]
+            self._advance(chunk)
         return len(self.todo) <= 1
+
+    def chunk_len(self) -> int:
+        """Prompt tokens the next `feed_chunk` feeds (0: only the last one is left)."""
+        if len(self.todo) <= 1:
+            return 0
+        return min(self.step_size - len(self.fed) % self.step_size, len(self.todo) - 1)
+
+    def _advance(self, chunk: list[int]) -> None:
+        """`chunk`, now in the cache, moves from the prompt to the fed tokens."""
+        if self.context is not None:
+            self.context.update_and_fetch(mx.array(chunk, dtype=mx.int32))
+        self.fed += chunk
+        self.todo = self.todo[len(chunk) :]
 
     def wait(self) -> None:
         """Until the chunks launched so far are in the cache."""
@@ -132,3 +142,50 @@ class SoloSequence:
                 logits = processor(context, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return self.sampler(logprobs), logprobs.squeeze(0)
+
+
+def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
+    """`feed_chunk` for each of `seqs` (launched, not waited for); which have only their last
+    prompt token left.
+
+    Those whose next chunk has the same shape (as many tokens in the cache, as many to feed:
+    requests with prompts of one length that arrived together) and plain `KVCache` layers go
+    through the model as one batch: one forward pass of (k, chunk) tokens instead of k of
+    (1, chunk), as mlx-lm's batched prefill does, without its clearing of MLX's buffer cache.
+    Same shapes need no padding, so the batch takes the model's plain causal attention."""
+    groups: dict[tuple[int, int], list[SoloSequence]] = {}
+    for seq in seqs:
+        n = seq.chunk_len()
+        if n and all(type(c) is KVCache for c in seq.cache):
+            groups.setdefault((len(seq.fed), n), []).append(seq)
+        else:
+            seq.feed_chunk()
+    for (offset, n), members in groups.items():
+        if len(members) == 1:
+            members[0].feed_chunk()
+        else:
+            _feed_batch(members, offset, n)
+    return [len(seq.todo) <= 1 for seq in seqs]
+
+
+def _feed_batch(members: list[SoloSequence], offset: int, n: int) -> None:
+    """One chunk of `n` tokens for sequences with `offset` tokens cached each: their caches
+    stacked into a batch cache, then each takes its row back (views, no copies)."""
+    batch = []
+    for layer in range(len(members[0].cache)):
+        c = KVCache()
+        if offset:
+            c.keys = mx.concatenate([m.cache[layer].keys[..., :offset, :] for m in members])
+            c.values = mx.concatenate([m.cache[layer].values[..., :offset, :] for m in members])
+            c.offset = offset
+        batch.append(c)
+    chunks = [m.todo[:n] for m in members]
+    members[0].model(mx.array(chunks), cache=batch)
+    end = offset + n
+    for i, m in enumerate(members):
+        for layer, c in enumerate(batch):
+            own = KVCache()
+            own.keys, own.values, own.offset = c.keys[i : i + 1, :, :end], c.values[i : i + 1, :, :end], end
+            m.cache[layer] = own  # in place: the engine hands this list to the BatchGenerator
+        m._advance(chunks[i])
+    mx.async_eval([c.state for c in batch])

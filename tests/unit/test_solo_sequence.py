@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -290,3 +291,87 @@ def test_prefill_chunks_end_on_multiples_of_the_step(model_path: Path) -> None:
     assert ends == [48, 64, 80, 96] and seq.todo == prompt[96:]
     seq.wait()
     assert seq.cache[0].offset == 96
+
+
+def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
+    # three prompts of 40 tokens (one with a logits processor's token context) and one of 25:
+    # chunks of one shape go through the model together (all four's first 16 tokens; then the
+    # three's 16 more with 16 cached each, and their last 7), and every cache ends as feeding
+    # each prompt alone leaves it
+    from mlx_lm import load
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from omlx.engine import solo as solo_module
+    from omlx.engine.solo import SoloSequence, feed_chunks_together
+
+    model, _ = load(str(model_path))
+    prompts = [[3 + (i * k) % 390 for i in range(40)] for k in (13, 7, 5)] + [PROMPT_B]
+
+    def seq(prompt: list[int], procs: list) -> SoloSequence:
+        return SoloSequence(model, prompt, cache=None, cached=[], sampler=None, logits_processors=procs,
+                            prefill_step_size=16)  # fmt: skip
+
+    procs = make_logits_processors(repetition_penalty=1.2)
+    together = [seq(p, procs if i == 1 else []) for i, p in enumerate(prompts)]
+    batches: list[int] = []
+    real = solo_module._feed_batch
+
+    def spy(members, offset, n):
+        batches.append(len(members))
+        real(members, offset, n)
+
+    solo_module._feed_batch = spy
+    try:
+        rounds = 0
+        while not all(feed_chunks_together(together)):
+            rounds += 1
+    finally:
+        solo_module._feed_batch = real
+    assert batches == [4, 3, 3] and rounds == 2  # the 25-token prompt's second chunk (8) alone
+    for s, prompt in zip(together, prompts, strict=True):
+        s.wait()
+        lone = seq(prompt, [])
+        while not lone.feed_chunk():
+            pass
+        lone.wait()
+        assert s.fed == lone.fed and s.todo == lone.todo == prompt[-1:]
+        for mine, theirs in zip(s.cache, lone.cache, strict=True):
+            assert mine.offset == theirs.offset == len(prompt) - 1
+            assert mx.allclose(mine.state[0][..., : mine.offset, :], theirs.state[0][..., : theirs.offset, :], atol=1e-4)
+            assert mx.allclose(mine.state[1][..., : mine.offset, :], theirs.state[1][..., : theirs.offset, :], atol=1e-4)
+    assert together[1].context is not None and together[1].context.tokens.tolist() == prompts[1][:-1]
+
+
+def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: Path, monkeypatch) -> None:
+    from omlx.engine import solo as solo_module
+
+    reqs = [request(f"r{k}", [3 + (i * k) % 390 for i in range(40)], 12) for k in (13, 7, 5)]
+    expected = alone(model_path, reqs, solo=False, own_prefill=False)
+    engine = make_engine(model_path, solo=False, prefill_step_size=16, own_prefill=True)
+    batches: list[int] = []
+    real = solo_module._feed_batch
+
+    def spy(members, offset, n):
+        batches.append(len(members))
+        real(members, offset, n)
+
+    monkeypatch.setattr(solo_module, "_feed_batch", spy)
+
+    async def main() -> list[dict]:
+        await engine.wait_ready()
+        gate = threading.Event()  # holds the engine thread until all three are in its inbox
+        held = asyncio.ensure_future(engine.call(gate.wait))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await held
+        return await asyncio.gather(*tasks)
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+    assert batches[0] == 3  # the three arrived together: their chunks went as one batch
