@@ -359,6 +359,7 @@ def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: 
 
     async def main() -> list[dict]:
         await engine.wait_ready()
+        batches.clear()  # the warm-up's
         gate = threading.Event()  # holds the engine thread until all three are in its inbox
         held = asyncio.ensure_future(engine.call(gate.wait))
         await asyncio.sleep(0.05)
