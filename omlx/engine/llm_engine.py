@@ -571,8 +571,7 @@ class LLMEngine:
             self._on_token(state, r)
             if r.uid in self._running:
                 touched.append(state)
-        for state in touched:
-            self._flush(state)
+        self._flush_all(touched)
         for uid in due:
             state = self._running.get(uid)
             if state is None:  # a sequence that already finished was stored whole
@@ -676,10 +675,18 @@ class LLMEngine:
                 self._final_stores.append((list(r.all_tokens), r.prompt_cache))
 
     def _flush(self, state: _Running) -> None:
-        ev = state.pending
-        if ev.text or ev.token_ids or ev.prompt_logprobs is not None:
-            state.pending = GenerationEvent()
-            self._emit(state.handle, ev)
+        self._flush_all([state])
+
+    def _flush_all(self, states: list[_Running]) -> None:
+        """Send what each of `states` has pending, all in one hand-over to the event loop."""
+        out = []
+        for state in states:
+            ev = state.pending
+            if ev.text or ev.token_ids or ev.prompt_logprobs is not None:
+                state.pending = GenerationEvent()
+                out.append((state.handle, ev))
+        if out:
+            self._emit_many(out)
 
     def _finish(self, state: _Running, reason: str, error: str | None = None) -> None:
         ev = state.pending
@@ -731,20 +738,29 @@ class LLMEngine:
             )
 
     def _emit(self, handle: _Handle, event: GenerationEvent) -> None:
+        self._emit_many([(handle, event)])
+
+    def _emit_many(self, items: list[tuple[_Handle, GenerationEvent]]) -> None:
+        """Queue events for their event loops; each loop is woken once (a step's 32 events:
+        one lock, one wake-up, rather than a wake-up racing the rest of the step for the GIL)."""
+        wake = []
         with self._outbox_lock:
-            pending = self._outbox.setdefault(handle.loop, {})
-            wake = not pending  # otherwise a `_deliver` for this loop is already scheduled
-            earlier = pending.get(handle)
-            if earlier is None:
-                pending[handle] = event
-            else:
-                earlier.merge(event)
-        if wake:
+            for handle, event in items:
+                pending = self._outbox.get(handle.loop)
+                if pending is None:  # else a `_deliver` for this loop is already scheduled
+                    pending = self._outbox[handle.loop] = {}
+                    wake.append(handle.loop)
+                earlier = pending.get(handle)
+                if earlier is None:
+                    pending[handle] = event
+                else:
+                    earlier.merge(event)
+        for loop in wake:
             try:
-                handle.loop.call_soon_threadsafe(self._deliver, handle.loop)
+                loop.call_soon_threadsafe(self._deliver, loop)
             except RuntimeError:  # the loop is closed: nobody is left to read these events
                 with self._outbox_lock:
-                    self._outbox.pop(handle.loop, None)
+                    self._outbox.pop(loop, None)
 
     def _deliver(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the event loop: hand every waiting event to its request's queue."""

@@ -1,12 +1,15 @@
 """Per-request samplers and logits processors built on mlx-lm's sampling helpers.
 
 Greedy requests get `None`, so BatchGenerator samples the whole batch with one
-call; a seeded request carries its own PRNG key so the same seed gives the same
-output whatever else shares the batch.
+call; unseeded requests with the same parameters share one sampler object, for the same
+reason (sequences with different samplers are sampled one by one: per step, a top-p sort
+over the vocabulary per sequence); a seeded request carries its own PRNG key so the same
+seed gives the same output whatever else shares the batch.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -39,7 +42,7 @@ def build_sampler(p: SamplingParams) -> Sampler | None:
     if p.greedy:
         return None
     if p.seed is None:
-        return make_sampler(temp=p.temperature, top_p=p.top_p, min_p=p.min_p, top_k=p.top_k)
+        return _shared_sampler(p.temperature, p.top_p, p.min_p, p.top_k)
     methods = _filters(p)
     inv_temp = 1.0 / p.temperature
     state = {"key": mx.random.key(p.seed)}
@@ -51,6 +54,13 @@ def build_sampler(p: SamplingParams) -> Sampler | None:
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
     return seeded
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    """mlx-lm's samplers keep no state (they draw from MLX's global PRNG), so one serves
+    every request with these parameters."""
+    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 
 
 def build_logits_processors(p: SamplingParams) -> list[Callable]:

@@ -376,3 +376,4 @@ def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: 
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
     assert batches[0] == 3  # the three arrived together: their chunks went as one batch
+
