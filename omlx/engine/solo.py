@@ -152,11 +152,15 @@ def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
     requests with prompts of one length that arrived together) and plain `KVCache` layers go
     through the model as one batch: one forward pass of (k, chunk) tokens instead of k of
     (1, chunk), as mlx-lm's batched prefill does, without its clearing of MLX's buffer cache.
-    Same shapes need no padding, so the batch takes the model's plain causal attention."""
+    Same shapes need no padding, so the batch takes the model's plain causal attention.
+
+    Not batched: a whole step-sized chunk after others (the middle of a long prompt). Its
+    forward pass already keeps the device busy, and batching it would copy every member's
+    cache into a batch cache again for each chunk."""
     groups: dict[tuple[int, int], list[SoloSequence]] = {}
     for seq in seqs:
         n = seq.chunk_len()
-        if n and all(type(c) is KVCache for c in seq.cache):
+        if n and (not seq.fed or n < seq.step_size) and all(type(c) is KVCache for c in seq.cache):
             groups.setdefault((len(seq.fed), n), []).append(seq)
         else:
             seq.feed_chunk()

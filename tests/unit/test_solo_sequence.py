@@ -295,9 +295,9 @@ def test_prefill_chunks_end_on_multiples_of_the_step(model_path: Path) -> None:
 
 def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
     # three prompts of 40 tokens (one with a logits processor's token context) and one of 25:
-    # chunks of one shape go through the model together (all four's first 16 tokens; then the
-    # three's 16 more with 16 cached each, and their last 7), and every cache ends as feeding
-    # each prompt alone leaves it
+    # chunks of one shape go through the model together (all four's first 16 tokens, and the
+    # three's last 7 with 32 cached each; not their middle chunks of a whole step), and every
+    # cache ends as feeding each prompt alone leaves it
     from mlx_lm import load
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -327,7 +327,7 @@ def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
             rounds += 1
     finally:
         solo_module._feed_batch = real
-    assert batches == [4, 3, 3] and rounds == 2  # the 25-token prompt's second chunk (8) alone
+    assert batches == [4, 3] and rounds == 2
     for s, prompt in zip(together, prompts, strict=True):
         s.wait()
         lone = seq(prompt, [])
