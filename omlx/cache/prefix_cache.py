@@ -332,6 +332,7 @@ class PrefixCache(PrefixCacheHooks):
                 n += use
         if not parts:
             return None, 0
+        self._refresh_chain([block.key for block, _ in parts])
         caches = self._to_cache(parts)
         if restored:
             # The model's cache built from restored blocks is where their cost ends (on a CUDA
@@ -523,27 +524,43 @@ class PrefixCache(PrefixCacheHooks):
         for i, key in enumerate(keys):
             if not known(key):
                 new.append((key, keys[i - 1] if i else None, i * self.B, (i + 1) * self.B))
+        chain = list(keys)
         start = len(keys) * self.B
         if start < n_tokens:
             parent = keys[-1] if keys else None
             key = chain_key(self.fp, parent, tokens[start:])
+            chain.append(key)
             if not known(key):
                 new.append((key, parent, start, n_tokens))
         if not new:
+            self._refresh_chain(chain)
             return
         blocks = [self._make_block(cache, *spec) for spec in new]
         for key, parent, a, b in new:
             self._remember_child(parent, key, tokens[a:b])
         mx.eval([t for b in blocks for t in b.tensors.values()])
-        for block in blocks:
-            if ssd is not None:
-                with self._unwritten_lock:
+        if ssd is not None:  # root first: the SSD writer takes them in this order
+            with self._unwritten_lock:
+                for block in blocks:
                     self._unwritten[block.key] = block
                     self._unwritten_bytes += block.nbytes
-                    self._count_unwritten()
-            hot.put(block)  # after: one the hot tier cannot keep goes to the SSD writer at once
+                self._count_unwritten()
+        # after: one the hot tier cannot keep goes to the SSD writer at once; deepest first, so
+        # a chain longer than the hot tier keeps its first blocks (`_refresh_chain`)
+        for block in reversed(blocks):
+            hot.put(block)
+        self._refresh_chain(chain)
         if not self.bytes_per_token and blocks:
             self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
+
+    def _refresh_chain(self, keys: list[str]) -> None:
+        """Mark one chain's blocks (root first) used, deepest first, so its root ends the most
+        recently used. The hot tier evicts the least recently used block first: refreshed root
+        first, a chain would lose its first blocks first, and a chain without its first block
+        serves no lookup (they all start at the root) while its other blocks still take room.
+        Deepest first, eviction takes chains from their ends, as a prefix tree evicts leaves."""
+        for key in reversed(keys):
+            self.tiers.hot.touch(key)
 
     def _make_block(self, cache: list[Any], key: str, parent: str | None, a: int, b: int) -> CacheBlock:
         tensors = {}

@@ -279,3 +279,21 @@ def test_one_slow_prefill_barely_moves_the_estimate_but_a_lasting_slowdown_does(
     for _ in range(5):
         cost.observe(8000, 0, 0.36)  # the device really is slower now: from the second, in full
     assert cost.seconds(8000) > 0.25
+
+
+def test_the_hot_tier_evicts_chains_from_their_ends() -> None:
+    """Every lookup starts at a chain's first block, so under pressure a chain must lose its
+    last blocks, not its first (with blocks refreshed root first, the LRU did the opposite and
+    kept tails no lookup could reach)."""
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    cache = PrefixCache(CacheStore(HotTier(3 * block_bytes), None, B), FP, LAYERS, "m")
+    long_chain = list(range(10, 10 + 5 * B))
+    cache.store(long_chain, kv(len(long_chain)), final=True)  # 5 blocks, room for 3
+    _, n = cache.lookup(long_chain + [1])
+    assert n == 3 * B  # its first three
+    other = list(range(300, 300 + 2 * B))
+    cache.store(other, kv(len(other)), final=True)  # pushes out two blocks of the first chain
+    _, n = cache.lookup(other + [1])
+    assert n == 2 * B
+    _, n = cache.lookup(long_chain + [1])
+    assert n == B  # its first block is still there
