@@ -65,6 +65,13 @@ class HotTier:
             self._blocks.move_to_end(key)
             return True
 
+    def touch_many(self, keys: list[str]) -> None:
+        """`touch` each of `keys` present, in this order (the last ends most recently used)."""
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+
     def contains(self, key: str) -> bool:
         """Presence check that does not touch LRU order or hit counters."""
         with self._lock:

@@ -554,13 +554,17 @@ class PrefixCache(PrefixCacheHooks):
             self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
 
     def _refresh_chain(self, keys: list[str]) -> None:
-        """Mark one chain's blocks (root first) used, deepest first, so its root ends the most
-        recently used. The hot tier evicts the least recently used block first: refreshed root
-        first, a chain would lose its first blocks first, and a chain without its first block
-        serves no lookup (they all start at the root) while its other blocks still take room.
-        Deepest first, eviction takes chains from their ends, as a prefix tree evicts leaves."""
-        for key in reversed(keys):
-            self.tiers.hot.touch(key)
+        """Mark one chain's blocks (root first) used in every tier holding them, deepest first,
+        so its root ends the most recently used. Each tier evicts its least recently used block
+        first: refreshed root first, a chain would lose its first blocks first, and a chain
+        without its first block serves no lookup (they all start at the root) while its other
+        blocks still take room. Deepest first, eviction takes chains from their ends, as a
+        prefix tree evicts leaves. The lower tiers are refreshed too: a prefix served from
+        device memory for hours must not be what the SSD's budget drops first."""
+        order = keys[::-1]
+        for tier in (self.tiers.hot, self.tiers.warm, self.tiers.ssd):
+            if tier is not None:
+                tier.touch_many(order)
 
     def _make_block(self, cache: list[Any], key: str, parent: str | None, a: int, b: int) -> CacheBlock:
         tensors = {}

@@ -272,6 +272,15 @@ class SSDTier:
                 return False
         return self.path_for(key).is_file()
 
+    def touch_many(self, keys: list[str]) -> None:
+        """Mark blocks used (in this order) that were served from a faster tier, so the budget
+        evicts what nobody uses rather than what is used from memory. In the index only: file
+        times, the order after a restart, move when a block is read."""
+        with self._lock:
+            for key in keys:
+                if key in self._index:
+                    self._index.move_to_end(key)
+
     def get(self, key: str, fingerprint: str) -> CacheBlock | None:
         """Load and verify one block; ``None`` on a miss or on any problem with the file.
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.prefix_cache import CacheStore, PrefixCache
 from omlx.cache.ssd_tier import SSDTier
@@ -297,3 +298,30 @@ def test_the_hot_tier_evicts_chains_from_their_ends() -> None:
     assert n == 2 * B
     _, n = cache.lookup(long_chain + [1])
     assert n == B  # its first block is still there
+
+
+def test_a_prefix_served_from_memory_stays_on_the_ssd(tmp_path: Path) -> None:
+    """The SSD's budget drops its least recently used blocks; a prefix every request takes from
+    the hot tier is in use, and must outlive one nobody asked for since."""
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    ssd = SSDTier(tmp_path, 5 * block_bytes)  # room for 5 blocks (plus their headers: fewer)
+    assert ssd.wait_ready(10)
+    cache = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
+    chains = [list(range(base, base + 2 * B)) for base in (10, 300, 600)]
+
+    def stored(tokens: list[int]) -> None:
+        cache.store(tokens, kv(len(tokens)), final=True)
+        while cache.write_back(idle=True):
+            pass
+        assert ssd.flush(10)
+
+    stored(chains[0])  # used by every request below, from device memory
+    stored(chains[1])  # never asked for again
+    _, n = cache.lookup(chains[0] + [1])
+    assert n == 2 * B
+    stored(chains[2])  # over the SSD's budget
+    assert ssd.stats()["evictions"] >= 1
+    first = block_keys(FP, chains[0], B)
+    assert all(ssd.contains(k, FP) for k in first)
+    assert not all(ssd.contains(k, FP) for k in block_keys(FP, chains[1], B))
+    ssd.close()
