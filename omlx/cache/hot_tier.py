@@ -57,6 +57,11 @@ class HotTier:
             self._hits += 1
             return block
 
+    def peek(self, key: str) -> Any | None:
+        """The block for ``key`` or ``None``, leaving LRU order and counters alone."""
+        with self._lock:
+            return self._blocks.get(key)
+
     def touch(self, key: str) -> bool:
         """Mark ``key`` most recently used if present (no hit counted); whether it was."""
         with self._lock:

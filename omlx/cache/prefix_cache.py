@@ -126,9 +126,12 @@ class CacheStore:
         """A block leaving device memory goes to host RAM, copied out, unless RAM still holds
         it (a block restored from RAM that the hot tier could not keep): no second copy."""
         host = None
-        if self.warm is not None and not self.warm.touch(block.key):
-            host = HostBlock.of(block, copy=True)
-            self.warm.put(host)
+        if self.warm is not None:
+            if self.warm.touch(block.key):
+                host = self.warm.peek(block.key)
+            else:
+                host = HostBlock.of(block, copy=True)
+                self.warm.put(host)
         follower = self._followers.get(block.fingerprint)
         if follower is not None:
             follower(block, host)
@@ -271,6 +274,11 @@ class PrefixCache(PrefixCacheHooks):
         self._unwritten_lock = threading.RLock()
         self._unwritten: OrderedDict[str, CacheBlock] = OrderedDict()
         self._unwritten_bytes = 0
+        # unwritten blocks the hot tier let go on another model's thread, with no RAM copy:
+        # this engine's next `write_back` hands them over first (their device memory is
+        # outside the hot budget now, and their MLX arrays are best read on this thread)
+        self._evicted: set[str] = set()
+        self._owner = threading.get_ident()  # made on the engine thread (`make_prefix_cache`)
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
@@ -595,24 +603,45 @@ class PrefixCache(PrefixCacheHooks):
                 self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
                 if not self._unwritten:
                     break
-                block = next(iter(self._unwritten.values()))
+                evicted = next((k for k in self._evicted if k in self._unwritten), None)
+                if evicted is None:
+                    self._evicted.clear()  # any left were handed over or dropped meanwhile
+                    block = next(iter(self._unwritten.values()))
+                else:
+                    self._evicted.discard(evicted)
+                    block = self._unwritten[evicted]
                 if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
                     break
-                if (not idle and self._unwritten_bytes <= self.write_back_bound) or not ssd.has_room():
+                due = idle or evicted is not None or self._unwritten_bytes > self.write_back_bound
+                if not due or not ssd.has_room():
+                    if evicted is not None:
+                        self._evicted.add(evicted)
                     break
                 self._take_unwritten(block)
             handed += block.nbytes
-            self._hand_to_ssd(block)  # copies it to host memory here, on the engine thread
+            self._hand_to_ssd(self._host_copy(block))  # else copied to host memory here
         return handed > 0 and bool(self._unwritten)
+
+    def _host_copy(self, block: CacheBlock) -> CacheBlock | HostBlock:
+        """The RAM tier's copy of `block` if it has one (no second device -> host copy)."""
+        warm = self.tiers.warm
+        held = warm.peek(block.key) if warm is not None else None
+        return held if held is not None else block
 
     def _left_device(self, block: CacheBlock, host: HostBlock | None) -> None:
         """The hot tier let `block` go (on some engine thread). If it still waits for the SSD
         it goes to the writer now, as `host` (the RAM tier's copy) when there is one: kept
         waiting, it would hold device memory outside the hot tier's budget, and be copied
-        out a second time later. Only a writer without room makes it wait (`write_back`)."""
+        out a second time later. Without a RAM copy, another model's thread leaves the copy
+        to this engine's next `write_back`; a writer without room makes it wait too."""
         with self._unwritten_lock:
             self._drop_unwritten_if_cleared()
-            if block.key not in self._unwritten or not self.tiers.ssd.has_room():
+            if block.key not in self._unwritten:
+                return
+            if host is None and threading.get_ident() != self._owner:
+                self._evicted.add(block.key)  # for this engine's thread to copy out, next loop
+                return
+            if not self.tiers.ssd.has_room():
                 return
             self._take_unwritten(block)
         self._hand_to_ssd(host if host is not None else block)
@@ -642,6 +671,7 @@ class PrefixCache(PrefixCacheHooks):
                 self._unwritten.clear()
                 self._unwritten_bytes = 0
                 self._count_unwritten()
+            self._evicted.clear()
         self.tiers.unfollow(self.fp, self._left_device)
 
     def _drop_unwritten_if_cleared(self) -> None:
@@ -649,6 +679,7 @@ class PrefixCache(PrefixCacheHooks):
         with self._unwritten_lock:
             if self._generation != self.tiers.generation:
                 self._generation = self.tiers.generation
+                self._evicted.clear()
                 self._unwritten.clear()
                 self._unwritten_bytes = 0
                 self._count_unwritten()

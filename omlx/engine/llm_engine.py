@@ -298,7 +298,7 @@ class LLMEngine:
                     )  # fmt: skip
                     for prompt, sampler, processors in group
                 ]
-                if self.own_prefill:  # the first two chunks of the first two in one batch
+                if self.own_prefill:  # the first two's first chunks go in one batch
                     while not all(feed_chunks_together(seqs)):
                         pass
                 for seq, (prompt, sampler, processors) in zip(seqs, group, strict=True):
@@ -336,14 +336,22 @@ class LLMEngine:
 
     def _run(self) -> None:
         if not self._load():
+            self._close_prefix_cache(timeout=0.0)  # it may have been made before the failure
             return
-        with mx.stream(self._stream):
-            self._loop()
-            try:  # stopping: what waits for the SSD goes now (shutdown() joins for 10 s)
-                self.prefix_cache.close(timeout=8.0)
-            except Exception:
-                log.exception("writing prefix-cache blocks of %s back at shutdown failed", self.model_id)
-        self._bg.close()
+        try:
+            with mx.stream(self._stream):
+                try:
+                    self._loop()
+                finally:  # stopping: what waits for the SSD goes now (shutdown() joins for 10 s)
+                    self._close_prefix_cache(timeout=8.0)
+        finally:
+            self._bg.close()
+
+    def _close_prefix_cache(self, timeout: float) -> None:
+        try:
+            self.prefix_cache.close(timeout=timeout)
+        except Exception:
+            log.exception("closing the prefix cache of %s failed", self.model_id)
 
     def _loop(self) -> None:
         unwritten = False  # stored blocks wait for the SSD and the writer takes more: go on soon

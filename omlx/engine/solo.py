@@ -25,6 +25,8 @@ from mlx_lm.sample_utils import greedy_sampler
 from omlx.engine.buffers import trim_buffer_cache
 
 Sampler = Callable[[mx.array], mx.array]
+# the most a batched chunk copies of its members' cached keys and values (`feed_chunks_together`)
+BATCH_COPY_LIMIT = 256 << 20
 
 
 class SoloSequence:
@@ -154,9 +156,10 @@ def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
     (1, chunk), as mlx-lm's batched prefill does, without its clearing of MLX's buffer cache.
     Same shapes need no padding, so the batch takes the model's plain causal attention.
 
-    Not batched: a whole step-sized chunk after others (the middle of a long prompt). Its
+    Not batched: a whole step-sized chunk after others (the middle of a long prompt): its
     forward pass already keeps the device busy, and batching it would copy every member's
-    cache into a batch cache again for each chunk."""
+    cache into a batch cache again for each chunk. A last chunk after cached tokens is
+    batched only while that copy stays under `BATCH_COPY_LIMIT` bytes."""
     groups: dict[tuple[int, int], list[SoloSequence]] = {}
     for seq in seqs:
         n = seq.chunk_len()
@@ -165,11 +168,16 @@ def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
         else:
             seq.feed_chunk()
     for (offset, n), members in groups.items():
-        if len(members) == 1:
-            members[0].feed_chunk()
-        else:
+        if len(members) > 1 and len(members) * offset * _kv_bytes_per_token(members[0]) <= BATCH_COPY_LIMIT:
             _feed_batch(members, offset, n)
+        else:
+            for seq in members:
+                seq.feed_chunk()
     return [len(seq.todo) <= 1 for seq in seqs]
+
+
+def _kv_bytes_per_token(seq: SoloSequence) -> int:
+    return sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2] for c in seq.cache if c.keys is not None)
 
 
 def _feed_batch(members: list[SoloSequence], offset: int, n: int) -> None:

@@ -140,6 +140,11 @@ def test_seed_reproducible_and_n_choices(client):
         assert shown == 10 if ch.finish_reason == "length" else (ch.finish_reason == "stop" and shown < 10)
         generated.append(shown + (ch.finish_reason == "stop"))
     assert many.usage.completion_tokens == sum(generated)
+    # unseeded, the n choices share one sampler (sampled as a batch) and still draw apart
+    unseeded = chat(client, "tell a story", temperature=1.0, n=3, max_tokens=10, logprobs=True)
+    shown = [len(ch.logprobs.content) + (ch.finish_reason == "stop") for ch in unseeded.choices]
+    assert unseeded.usage.completion_tokens == sum(shown)
+    assert len({tuple(e.token for e in ch.logprobs.content) for ch in unseeded.choices}) > 1
     assert len({ch.message.content for ch in many.choices}) == 3
 
 

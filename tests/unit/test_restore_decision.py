@@ -325,3 +325,54 @@ def test_a_prefix_served_from_memory_stays_on_the_ssd(tmp_path: Path) -> None:
     assert all(ssd.contains(k, FP) for k in first)
     assert not all(ssd.contains(k, FP) for k in block_keys(FP, chains[1], B))
     ssd.close()
+
+
+def test_evicted_unwritten_blocks_without_a_ram_copy_are_written_by_their_own_engine(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Another model's store may push this model's waiting blocks out of device memory; with
+    no RAM copy to hand over, this model's engine copies them out on its next loop, busy or
+    not. With a RAM copy, a block that waited for room goes to the SSD as that copy."""
+    import threading
+
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    store = CacheStore(HotTier(2 * block_bytes), ssd, B)
+    mine = PrefixCache(store, FP, LAYERS, "m")
+    mine.write_back_bound = 1 << 30  # as on a CUDA GPU: a busy engine writes nothing
+    tokens = list(range(10, 10 + 2 * B))
+    mine.store(tokens, kv(len(tokens)), final=True)
+    other_model = list(range(300, 300 + 2 * B))
+    worker = threading.Thread(  # the other model's engine thread makes its cache and stores
+        target=lambda: PrefixCache(store, "e" * 64, LAYERS, "o").store(other_model, kv(2 * B), final=True)
+    )
+    worker.start()
+    worker.join()
+    assert ssd.flush(10) and ssd.stats()["writes"] == 0  # not copied out on that thread
+    assert mine.tiers.stats()["unwritten_blocks"] == 4
+    copies = counted_host_copies(monkeypatch)
+    assert not mine.write_back(idle=False)  # busy, under the bound: still its two go
+    assert ssd.flush(10) and ssd.stats()["writes"] == 2
+    assert sorted(copies) == sorted((k, False) for k in block_keys(FP, tokens, B))
+    ssd.close()
+
+
+def test_a_block_that_waited_for_room_is_written_from_its_ram_copy(tmp_path: Path, monkeypatch) -> None:
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    warm = HotTier(1 << 30)
+    cache = PrefixCache(CacheStore(HotTier(block_bytes), ssd, B, warm=warm), FP, LAYERS, "m")
+    cache.write_back_bound = 1 << 30
+    monkeypatch.setattr(ssd, "has_room", lambda: False)
+    tokens = list(range(10, 10 + 3 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)  # two pushed out to RAM, kept waiting
+    assert warm.stats()["blocks"] == 2 and cache.tiers.stats()["unwritten_blocks"] == 3
+    monkeypatch.undo()
+    copies = counted_host_copies(monkeypatch)
+    while cache.write_back(idle=True):
+        pass
+    assert ssd.flush(10) and ssd.stats()["writes"] == 3
+    assert len(copies) == 1  # only the block still in device memory is viewed; the others are RAM's
+    ssd.close()

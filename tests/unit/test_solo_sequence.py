@@ -341,6 +341,18 @@ def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
             assert mx.allclose(mine.state[1][..., : mine.offset, :], theirs.state[1][..., : theirs.offset, :], atol=1e-4)
     assert together[1].context is not None and together[1].context.tokens.tolist() == prompts[1][:-1]
 
+    # a last chunk after cached tokens is batched only while copying their caches is cheap
+    solo_module.BATCH_COPY_LIMIT, limit = 0, solo_module.BATCH_COPY_LIMIT
+    solo_module._feed_batch = spy
+    batches.clear()
+    try:
+        again = [seq(p, []) for p in prompts[:3]]
+        while not all(feed_chunks_together(again)):
+            pass
+    finally:
+        solo_module._feed_batch, solo_module.BATCH_COPY_LIMIT = real, limit
+    assert batches == [3]
+
 
 def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: Path, monkeypatch) -> None:
     from omlx.engine import solo as solo_module
