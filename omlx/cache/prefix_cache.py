@@ -56,6 +56,19 @@ MIN_TAIL_ONLY_TOKENS = 32
 WRITE_BACK_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 64 << 20
 SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
+# An SSD run at least this large is read ahead (`PrefixCache.prefetch`) while the engine goes on
+# decoding; smaller ones are read in `lookup`, where they stall the other streams only briefly.
+PREFETCH_MIN_BYTES = 16 << 20
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """Blocks being read from the SSD for one request (`PrefixCache.prefetch`)."""
+
+    keys: list[str]
+    futures: list[Any]
+    started: float
+    finished: float = 0.0
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -279,6 +292,9 @@ class PrefixCache(PrefixCacheHooks):
         # outside the hot budget now, and their MLX arrays are best read on this thread)
         self._evicted: set[str] = set()
         self._owner = threading.get_ident()  # made on the engine thread (`make_prefix_cache`)
+        # blocks a finished prefetch read for the next lookup, and the seconds their reads took
+        self._staged: dict[str, HostBlock] = {}
+        self._staged_seconds = 0.0
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
@@ -323,10 +339,17 @@ class PrefixCache(PrefixCacheHooks):
             blocks += got
         if ssd is not None and not skipped:
             got, skipped = self._restore_run(
-                keys, len(blocks), limit, lambda k: ssd.contains(k, self.fp),
-                lambda run: ssd.get_many(run, self.fp), self.ssd_rate, restored,
+                keys, len(blocks), limit, lambda k: k in self._staged or ssd.contains(k, self.fp),
+                self._from_ssd, self.ssd_rate, restored,
             )  # fmt: skip
             blocks += got
+        if self._staged_seconds:  # the reads ahead count into the SSD's restore time
+            restored[:] = [
+                (rate, nbytes, seconds + (self._staged_seconds if rate is self.ssd_rate else 0.0))
+                for rate, nbytes, seconds in restored
+            ]
+        self._staged.clear()  # one request's read-ahead; what it did not use goes
+        self._staged_seconds = 0.0
         n = len(blocks) * self.B
         parts = [(b, self.B) for b in blocks]
         # after a skipped restore the tail, too, only comes from device memory: the token-level
@@ -422,6 +445,68 @@ class PrefixCache(PrefixCacheHooks):
             for block in got:
                 self.tiers.hot.put(block)
         return got, time.perf_counter() - tic
+
+    def _from_ssd(self, run: list[str]) -> Iterable[CacheBlock | None]:
+        """`run` from the SSD, the blocks a prefetch read ahead first."""
+        i = 0
+        while i < len(run) and run[i] in self._staged:
+            yield self._staged.pop(run[i]).to_block()
+            i += 1
+        if i < len(run):
+            yield from self.tiers.ssd.get_many(run[i:], self.fp)
+
+    def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Prefetch | None:
+        """Read ahead, on the SSD tier's reader threads, the SSD run `lookup(tokens)` would
+        restore: read in `lookup`, it would stall every stream of the engine (a 32,000-token
+        prompt of an 8B model is 4 GB: seconds of disk). Only a run that the measured rates
+        say to restore, and of at least `PREFETCH_MIN_BYTES`."""
+        ssd, hot, warm = self.tiers.ssd, self.tiers.hot, self.tiers.warm
+        if ssd is None or not self.bytes_per_token or self.ssd_rate.value is None:
+            return None  # nothing measured yet: `lookup` probes the tier first
+        limit = len(tokens) - 1
+        keys = block_keys(self.fp, tokens, self.B)
+        start = 0
+        with self._unwritten_lock:
+            unwritten = set(self._unwritten)
+        while (start + 1) * self.B <= limit and start < len(keys):
+            key = keys[start]
+            if not (hot.contains(key) or key in unwritten or (warm is not None and warm.contains(key))):
+                break
+            start += 1
+        run = []
+        for key in keys[start:]:
+            if (start + len(run) + 1) * self.B > limit or not ssd.contains(key, self.fp):
+                break
+            run.append(key)
+        n_tokens = len(run) * self.B
+        if n_tokens * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(n_tokens, self.ssd_rate):
+            return None
+        pending = Prefetch(run, ssd.read_ahead(run, self.fp), time.perf_counter())
+        left = [len(pending.futures)]
+        lock = threading.Lock()
+
+        def one_done(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                pending.finished = time.perf_counter()
+                on_done()
+
+        for future in pending.futures:
+            future.add_done_callback(one_done)
+        return pending
+
+    def take(self, prefetched: Prefetch) -> None:
+        """Stage a finished prefetch's blocks for the next `lookup` (up to the first that
+        could not be read)."""
+        self._staged.clear()
+        for key, future in zip(prefetched.keys, prefetched.futures, strict=True):
+            block = future.result() if future.done() and future.exception() is None else None
+            if block is None:
+                break
+            self._staged[key] = block
+        self._staged_seconds = max(0.0, (prefetched.finished or time.perf_counter()) - prefetched.started)
 
     def _from_warm(self, key: str) -> CacheBlock | None:
         """A block held in host RAM as MLX arrays again, or None if RAM no longer has it."""

@@ -25,7 +25,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -297,14 +297,26 @@ class SSDTier:
         if len(keys) <= 1 or self._read_workers == 1:
             reads = [self._read(k, fingerprint) for k in keys]
         else:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read"
-                    )
-                pool = self._pool
-            reads = list(pool.map(lambda k: self._read(k, fingerprint), keys))
+            reads = list(self._reader_pool().map(lambda k: self._read(k, fingerprint), keys))
         return [r.to_block() if r is not None else None for r in reads]
+
+    def read_ahead(self, keys: Sequence[str], fingerprint: str) -> list[Future[HostBlock | None]]:
+        """Start reading and verifying blocks on the reader threads (bytes only); each future
+        gives a ``HostBlock``, or None as ``get`` would. For a caller with other work to do
+        meanwhile: the engine keeps decoding while a request's prefix comes off the disk."""
+        if self._closed:
+            done: list[Future[HostBlock | None]] = [Future() for _ in keys]
+            for f in done:
+                f.set_result(None)
+            return done
+        pool = self._reader_pool()
+        return [pool.submit(self._read, k, fingerprint) for k in keys]
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read")
+            return self._pool
 
     def _read(self, key: str, fingerprint: str) -> HostBlock | None:
         if not self.enabled or not _is_key(key):

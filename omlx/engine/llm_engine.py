@@ -50,6 +50,16 @@ class PrefixCacheHooks:
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         return None, 0
 
+    def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Any | None:
+        """Start reading from a slow tier, off the engine thread, what `lookup(tokens)` would
+        restore from it; None when there is nothing worth reading ahead. `on_done` is called
+        (on some thread) when the reads are over; the engine then calls `take` and `lookup`."""
+        return None
+
+    def take(self, prefetched: Any) -> None:
+        """Make a finished prefetch's blocks available to the next `lookup`."""
+        return None
+
     def store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
         return None
 
@@ -83,6 +93,8 @@ class _Handle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     done: bool = False
+    taken: float | None = None  # when the engine first took it (a read-ahead may follow)
+    prefetched: Any = None  # its finished read-ahead, for `_insert`
 
 
 @dataclass
@@ -148,6 +160,9 @@ class LLMEngine:
         self.kind = "llm"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Handle] = deque()
+        # requests whose cached prefix is being read from the SSD while the engine goes on
+        # (`PrefixCacheHooks.prefetch`); each comes back through the inbox when it is read
+        self._restoring: dict[_Handle, Any] = {}
         self._running: dict[int, _Running] = {}
         self._by_request: dict[str, _Handle] = {}
         self._prompt_stores: list[int] = []  # uids whose prompt blocks are stored next step
@@ -379,7 +394,7 @@ class LLMEngine:
                 self._solo_uid = None
                 self._prefilling = []
             self.active_count = len(self._running)
-            self.waiting_count = len(self._waiting)
+            self.waiting_count = len(self._waiting) + len(self._restoring)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -392,6 +407,12 @@ class LLMEngine:
                 handle = msg[1]
                 self._waiting.append(handle)
                 self._by_request[handle.request.request_id] = handle
+            elif kind == "restored":
+                handle = msg[1]
+                prefetched = self._restoring.pop(handle, None)
+                if prefetched is not None:  # else it was cancelled meanwhile
+                    handle.prefetched = prefetched
+                    self._waiting.appendleft(handle)
             elif kind == "cancel":
                 self._cancel(msg[1])
             elif kind == "call":
@@ -414,6 +435,8 @@ class LLMEngine:
         if handle in self._waiting:
             self._waiting.remove(handle)
             return
+        if self._restoring.pop(handle, None) is not None:
+            return
         for uid, state in list(self._running.items()):
             if state.handle is handle:
                 self._drop(state)
@@ -433,20 +456,36 @@ class LLMEngine:
     def _admit(self) -> None:
         if self._waiting and self._solo_uid is not None and self.max_concurrent > 1:
             self._hand_off()  # a second request: the solo one joins the batch first
-        while self._waiting and len(self._running) < self.max_concurrent:
+        while self._waiting and len(self._running) + len(self._restoring) < self.max_concurrent:
             handle = self._waiting.popleft()
             try:
+                if handle.taken is None:
+                    handle.taken = time.perf_counter()
+                    if self._read_ahead(handle):
+                        continue
                 self._insert(handle)
             except Exception as exc:
                 log.exception("request %s failed at admission", handle.request.request_id)
                 self._by_request.pop(handle.request.request_id, None)
                 self._emit(handle, GenerationEvent(finish_reason="error", error=str(exc)))
 
+    def _read_ahead(self, handle: _Handle) -> bool:
+        """Whether the request's cached prefix is being read from the SSD, off this thread
+        (it comes back through the inbox); read here in `lookup`, every stream would wait."""
+        req = handle.request
+        if req.max_tokens <= 0:
+            return False
+        prefetched = self.prefix_cache.prefetch(req.prompt_tokens, lambda: self._inbox.put(("restored", handle)))
+        if prefetched is None:
+            return False
+        self._restoring[handle] = prefetched
+        return True
+
     def _insert(self, handle: _Handle) -> None:
         req = handle.request
         tokens = req.prompt_tokens
         queued = max(0.0, time.time() - req.created)
-        taken = time.perf_counter()
+        taken = handle.taken if handle.taken is not None else time.perf_counter()
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
             prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
@@ -459,6 +498,9 @@ class LLMEngine:
                 ),
             )
             return
+        if handle.prefetched is not None:
+            self.prefix_cache.take(handle.prefetched)
+            handle.prefetched = None
         cache, cached = self.prefix_cache.lookup(tokens)
         stop_seqs = None
         if req.stop_token_ids:

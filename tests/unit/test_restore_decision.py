@@ -7,6 +7,8 @@ only the prefill timings are fed in by hand, to stand for a fast or a slow devic
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -376,3 +378,127 @@ def test_a_block_that_waited_for_room_is_written_from_its_ram_copy(tmp_path: Pat
     assert ssd.flush(10) and ssd.stats()["writes"] == 3
     assert len(copies) == 1  # only the block still in device memory is viewed; the others are RAM's
     ssd.close()
+
+
+def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_path: Path, monkeypatch) -> None:
+    from omlx.cache import prefix_cache
+
+    tokens = list(range(10, 10 + 8 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    ssd = cache.tiers.ssd
+    cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
+    cache.ssd_rate.observe(1e9, 1.0)  # the SSD: 1 GB/s
+    cache.bytes_per_token = 2 * LAYERS * 2 * 8 * 4
+    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    done = threading.Event()
+    pending = cache.prefetch(tokens, done.set)
+    assert pending is not None and done.wait(10)
+
+    def no_disk(*_a, **_k):
+        raise AssertionError("the engine thread read the SSD")
+
+    monkeypatch.setattr(ssd, "get_many", no_disk)
+    cache.take(pending)
+    before = cache.ssd_rate.state()
+    caches, n = cache.lookup(tokens)
+    assert n == 8 * B
+    for layer, c in enumerate(kv(len(tokens))):
+        assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
+    assert cache.ssd_rate.state() != before  # the read-ahead's time counts as an SSD restore
+    assert cache.prefetch(list(range(900, 900 + 4 * B)), done.set) is None  # nothing on the SSD
+    ssd.close()
+
+
+def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Its blocks are read on the SSD tier's threads while the engine keeps decoding; read in
+    `lookup` (on the engine thread), every running stream waited for the disk."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omlx.cache import prefix_cache
+    from omlx.engine.llm_engine import LLMEngine
+    from omlx.engine.request import GenerationRequest, SamplingParams
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    made: list[PrefixCache] = []
+
+    def engine(root: Path) -> LLMEngine:
+        ssd = SSDTier(root, 1 << 30)
+        assert ssd.wait_ready(10)
+        store = CacheStore(HotTier(1 << 30), ssd, B)
+
+        def factory(loaded: SimpleNamespace) -> PrefixCache:
+            made.append(PrefixCache(store, FP, len(loaded.model.layers), "m"))
+            return made[-1]
+
+        return LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=factory)
+
+    def request(rid: str, prompt: list[int], n: int) -> GenerationRequest:
+        return GenerationRequest(rid, prompt, n, SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0}))
+
+    shared = [5 + (i * 7) % 390 for i in range(12 * B)]
+
+    async def first_run(e: LLMEngine) -> list[int]:
+        await e.wait_ready()
+        return [t async for ev in e.generate(request("a", shared, 8)) for t in ev.token_ids]
+
+    e1 = engine(tmp_path)
+    expected = asyncio.run(first_run(e1))
+    e1.shutdown()  # writes its blocks to the SSD
+    made[-1].tiers.ssd.close()
+
+    e2 = engine(tmp_path)  # after a restart: the prefix is on the SSD only
+    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    real_load = SSDTier._load
+
+    def slow_load(self, *args):  # a slow disk: 0.4 s a block, on the reader threads
+        time.sleep(0.4)
+        return real_load(self, *args)
+
+    monkeypatch.setattr(SSDTier, "_load", slow_load)
+
+    async def second_run() -> tuple[list[int], float, float, int]:
+        await e2.wait_ready()
+        cache = made[-1]
+        cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: restore
+        cache.ssd_rate.observe(1e9, 1.0)
+        cache.bytes_per_token = 1
+        gaps: list[float] = []
+        window = [0.0, 0.0]
+
+        async def background() -> None:
+            last = None
+            async for _ev in e2.generate(request("bg", [9 + (i * 11) % 390 for i in range(20)], 1500)):
+                now = time.perf_counter()
+                if last is not None and window[0] and not window[1]:
+                    gaps.append(now - last)
+                last = now
+                if window[1]:
+                    return
+
+        bg = asyncio.create_task(background())
+        await asyncio.sleep(0.3)  # decoding
+        window[0] = time.perf_counter()
+        got, cached = [], 0
+        async for ev in e2.generate(request("b", shared, 8)):
+            if not got and ev.token_ids:
+                window[1] = time.perf_counter()
+            got += ev.token_ids
+            cached = ev.cached_tokens or cached
+        await bg
+        return got, window[1] - window[0], max(gaps), cached
+
+    try:
+        got, ttft, worst_gap, cached = asyncio.run(second_run())
+    finally:
+        e2.shutdown()
+        made[-1].tiers.ssd.close()
+    assert cached == 12 * B - B and got == expected  # restored from the SSD (all but the last block)
+    assert ttft > 0.8  # it waited for the disk...
+    assert worst_gap < 0.4  # ...and the other stream did not
