@@ -478,6 +478,7 @@ class LLMEngine:
         prefetched = self.prefix_cache.prefetch(req.prompt_tokens, lambda: self._inbox.put(("restored", handle)))
         if prefetched is None:
             return False
+        log.debug("request=%s reads its cached prefix from the SSD ahead", req.request_id)
         self._restoring[handle] = prefetched
         return True
 
