@@ -66,9 +66,7 @@ class Prefetch:
     """Blocks being read from the SSD for one request (`PrefixCache.prefetch`)."""
 
     keys: list[str]
-    futures: list[Any]
-    started: float
-    finished: float = 0.0
+    futures: list[Any]  # of `TimedRead`, in the order of `keys`
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -292,9 +290,12 @@ class PrefixCache(PrefixCacheHooks):
         # outside the hot budget now, and their MLX arrays are best read on this thread)
         self._evicted: set[str] = set()
         self._owner = threading.get_ident()  # made on the engine thread (`make_prefix_cache`)
-        # blocks a finished prefetch read for the next lookup, and the seconds their reads took
+        # blocks a finished prefetch read for the next lookup; their bytes and the seconds
+        # their reads took, charged to the SSD's restore rate by the share `lookup` uses
         self._staged: dict[str, HostBlock] = {}
+        self._staged_bytes = 0
         self._staged_seconds = 0.0
+        self._staged_used = 0
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
@@ -314,6 +315,14 @@ class PrefixCache(PrefixCacheHooks):
 
     # ----- lookup / restore ----------------------------------------------------------
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        try:
+            return self._lookup(tokens)
+        finally:  # one request's read-ahead; what it did not use goes
+            self._staged.clear()
+            self._staged_bytes = self._staged_used = 0
+            self._staged_seconds = 0.0
+
+    def _lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         limit = len(tokens) - 1  # at least one token must be computed to get logits
         keys = block_keys(self.fp, tokens, self.B)
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
@@ -343,13 +352,12 @@ class PrefixCache(PrefixCacheHooks):
                 self._from_ssd, self.ssd_rate, restored,
             )  # fmt: skip
             blocks += got
-        if self._staged_seconds:  # the reads ahead count into the SSD's restore time
+        if self._staged_used:  # the reads ahead of what was used count into the SSD's restore time
+            read_s = self._staged_seconds * self._staged_used / max(1, self._staged_bytes)
             restored[:] = [
-                (rate, nbytes, seconds + (self._staged_seconds if rate is self.ssd_rate else 0.0))
+                (rate, nbytes, seconds + (read_s if rate is self.ssd_rate else 0.0))
                 for rate, nbytes, seconds in restored
             ]
-        self._staged.clear()  # one request's read-ahead; what it did not use goes
-        self._staged_seconds = 0.0
         n = len(blocks) * self.B
         parts = [(b, self.B) for b in blocks]
         # after a skipped restore the tail, too, only comes from device memory: the token-level
@@ -447,13 +455,21 @@ class PrefixCache(PrefixCacheHooks):
         return got, time.perf_counter() - tic
 
     def _from_ssd(self, run: list[str]) -> Iterable[CacheBlock | None]:
-        """`run` from the SSD, the blocks a prefetch read ahead first."""
+        """`run` from the SSD, in order: what a prefetch read ahead from memory, the rest (say,
+        a block the hot tier let go meanwhile) from the disk."""
         i = 0
-        while i < len(run) and run[i] in self._staged:
-            yield self._staged.pop(run[i]).to_block()
-            i += 1
-        if i < len(run):
-            yield from self.tiers.ssd.get_many(run[i:], self.fp)
+        while i < len(run):
+            held = self._staged.pop(run[i], None)
+            if held is not None:
+                self._staged_used += held.nbytes
+                yield held.to_block()
+                i += 1
+                continue
+            j = i
+            while j < len(run) and run[j] not in self._staged:
+                j += 1
+            yield from self.tiers.ssd.get_many(run[i:j], self.fp)
+            i = j
 
     def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Prefetch | None:
         """Read ahead, on the SSD tier's reader threads, the SSD run `lookup(tokens)` would
@@ -468,20 +484,29 @@ class PrefixCache(PrefixCacheHooks):
         start = 0
         with self._unwritten_lock:
             unwritten = set(self._unwritten)
-        while (start + 1) * self.B <= limit and start < len(keys):
-            key = keys[start]
-            if not (hot.contains(key) or key in unwritten or (warm is not None and warm.contains(key))):
+        while (start + 1) * self.B <= limit and start < len(keys):  # `lookup`'s device run
+            if not (hot.contains(keys[start]) or keys[start] in unwritten):
                 break
             start += 1
+        in_ram = start
+        while warm is not None and (in_ram + 1) * self.B <= limit and in_ram < len(keys) and warm.contains(keys[in_ram]):
+            in_ram += 1
+        if in_ram > start and not self._restore_pays((in_ram - start) * self.B, self.warm_rate):
+            return None  # `lookup` will recompute from there: nothing on the SSD is used
+        start = in_ram
         run = []
         for key in keys[start:]:
             if (start + len(run) + 1) * self.B > limit or not ssd.contains(key, self.fp):
                 break
             run.append(key)
         n_tokens = len(run) * self.B
-        if n_tokens * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(n_tokens, self.ssd_rate):
+        if not run or n_tokens * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(n_tokens, self.ssd_rate):
             return None
-        pending = Prefetch(run, ssd.read_ahead(run, self.fp), time.perf_counter())
+        try:
+            pending = Prefetch(run, ssd.read_ahead(run, self.fp))
+        except Exception:  # `lookup` reads in line then
+            log.exception("reading prefix-cache blocks of %s ahead failed", self.model_id)
+            return None
         left = [len(pending.futures)]
         lock = threading.Lock()
 
@@ -490,7 +515,6 @@ class PrefixCache(PrefixCacheHooks):
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                pending.finished = time.perf_counter()
                 on_done()
 
         for future in pending.futures:
@@ -501,12 +525,18 @@ class PrefixCache(PrefixCacheHooks):
         """Stage a finished prefetch's blocks for the next `lookup` (up to the first that
         could not be read)."""
         self._staged.clear()
+        reads = []
         for key, future in zip(prefetched.keys, prefetched.futures, strict=True):
-            block = future.result() if future.done() and future.exception() is None else None
-            if block is None:
+            read = future.result() if future.done() and future.exception() is None else None
+            if read is None or read.block is None:
                 break
-            self._staged[key] = block
-        self._staged_seconds = max(0.0, (prefetched.finished or time.perf_counter()) - prefetched.started)
+            self._staged[key] = read.block
+            reads.append(read)
+        self._staged_bytes = sum(b.nbytes for b in self._staged.values())
+        self._staged_used = 0
+        timed = [r for r in reads if r.finished]
+        # from its first read's start to its last read's end (not time queued before them)
+        self._staged_seconds = max(r.finished for r in timed) - min(r.started for r in timed) if timed else 0.0
 
     def _from_warm(self, key: str) -> CacheBlock | None:
         """A block held in host RAM as MLX arrays again, or None if RAM no longer has it."""

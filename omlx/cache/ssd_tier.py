@@ -23,19 +23,20 @@ import queue
 import struct
 import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from safetensors import TensorSpec, serialize
 
 from omlx.cache.block import CacheBlock, HostBlock, HostTensors, checksum_host, checksum_matches
 
-__all__ = ["SSDTier", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
+__all__ = ["SSDTier", "TimedRead", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,14 @@ _tmp_counter = itertools.count()  # process-wide, so two tiers never pick the sa
 
 class CorruptBlockFile(Exception):
     """A block file that must not be served (truncated, unparsable, mismatching)."""
+
+
+class TimedRead(NamedTuple):
+    """A block read ahead (`SSDTier.read_ahead`), with when its read began and ended."""
+
+    block: HostBlock | None
+    started: float
+    finished: float
 
 
 @dataclass
@@ -204,7 +213,8 @@ class SSDTier:
         self._pending: set[str] = set()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # `get_many`'s readers
+        self._ahead_pool: ThreadPoolExecutor | None = None  # `read_ahead`'s
         self._closed = False
         self._writes_disabled = False
         self._counters = dict.fromkeys(
@@ -294,29 +304,42 @@ class SSDTier:
     def get_many(self, keys: Sequence[str], fingerprint: str) -> list[CacheBlock | None]:
         """``get`` for several keys: files read and verified in parallel (no MLX on the
         reader threads), arrays made here; results in the order of ``keys``."""
-        if len(keys) <= 1 or self._read_workers == 1:
+        pool = self._reader_pool("_pool") if len(keys) > 1 and self._read_workers > 1 else None
+        if pool is None:
             reads = [self._read(k, fingerprint) for k in keys]
         else:
-            reads = list(self._reader_pool().map(lambda k: self._read(k, fingerprint), keys))
+            reads = list(pool.map(lambda k: self._read(k, fingerprint), keys))
         return [r.to_block() if r is not None else None for r in reads]
 
-    def read_ahead(self, keys: Sequence[str], fingerprint: str) -> list[Future[HostBlock | None]]:
-        """Start reading and verifying blocks on the reader threads (bytes only); each future
-        gives a ``HostBlock``, or None as ``get`` would. For a caller with other work to do
-        meanwhile: the engine keeps decoding while a request's prefix comes off the disk."""
-        if self._closed:
-            done: list[Future[HostBlock | None]] = [Future() for _ in keys]
+    def read_ahead(self, keys: Sequence[str], fingerprint: str) -> list[Future[TimedRead]]:
+        """Start reading and verifying blocks (bytes only) on threads of their own, so that
+        `get_many` never queues behind them; each future gives a `TimedRead`, its block None
+        as `get` would. For a caller with other work to do meanwhile: the engine keeps
+        decoding while a request's prefix comes off the disk."""
+        pool = self._reader_pool("_ahead_pool")
+        if pool is None:  # closed
+            done: list[Future[TimedRead]] = [Future() for _ in keys]
             for f in done:
-                f.set_result(None)
+                f.set_result(TimedRead(None, 0.0, 0.0))
             return done
-        pool = self._reader_pool()
-        return [pool.submit(self._read, k, fingerprint) for k in keys]
 
-    def _reader_pool(self) -> ThreadPoolExecutor:
+        def timed(key: str) -> TimedRead:
+            tic = time.perf_counter()
+            block = self._read(key, fingerprint)
+            return TimedRead(block, tic, time.perf_counter())
+
+        return [pool.submit(timed, k) for k in keys]
+
+    def _reader_pool(self, name: str) -> ThreadPoolExecutor | None:
+        """The pool in attribute `name`, made on first use; None once the tier is closed."""
         with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read")
-            return self._pool
+            if self._closed:
+                return None
+            pool = getattr(self, name)
+            if pool is None:
+                pool = ThreadPoolExecutor(max_workers=self._read_workers, thread_name_prefix="omlx-ssd-read")
+                setattr(self, name, pool)
+            return pool
 
     def _read(self, key: str, fingerprint: str) -> HostBlock | None:
         if not self.enabled or not _is_key(key):
@@ -665,9 +688,11 @@ class SSDTier:
             self._queue.put(None)
             self._thread.join(timeout)
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = [self._pool, self._ahead_pool]
+            self._pool = self._ahead_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def __enter__(self) -> SSDTier:
         return self

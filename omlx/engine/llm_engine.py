@@ -94,6 +94,7 @@ class _Handle:
     events: asyncio.Queue
     done: bool = False
     taken: float | None = None  # when the engine first took it (a read-ahead may follow)
+    queued: float = 0.0  # seconds from the API building the request to `taken`
     prefetched: Any = None  # its finished read-ahead, for `_insert`
 
 
@@ -461,6 +462,7 @@ class LLMEngine:
             try:
                 if handle.taken is None:
                     handle.taken = time.perf_counter()
+                    handle.queued = max(0.0, time.time() - handle.request.created)
                     if self._read_ahead(handle):
                         continue
                 self._insert(handle)
@@ -485,8 +487,10 @@ class LLMEngine:
     def _insert(self, handle: _Handle) -> None:
         req = handle.request
         tokens = req.prompt_tokens
-        queued = max(0.0, time.time() - req.created)
-        taken = handle.taken if handle.taken is not None else time.perf_counter()
+        if handle.taken is None:  # not through `_admit` (no read-ahead asked)
+            handle.taken = time.perf_counter()
+            handle.queued = max(0.0, time.time() - req.created)
+        queued, taken = handle.queued, handle.taken
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
             prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
