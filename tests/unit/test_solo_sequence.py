@@ -293,7 +293,23 @@ def test_prefill_chunks_end_on_multiples_of_the_step(model_path: Path) -> None:
     assert seq.cache[0].offset == 96
 
 
-def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
+@pytest.fixture()
+def fed_batches(monkeypatch) -> list[int]:
+    """The size of every batch `_feed_batch` runs from here on."""
+    from omlx.engine import solo as solo_module
+
+    sizes: list[int] = []
+    real = solo_module._feed_batch
+
+    def spy(members, offset, n):
+        sizes.append(len(members))
+        real(members, offset, n)
+
+    monkeypatch.setattr(solo_module, "_feed_batch", spy)
+    return sizes
+
+
+def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path, fed_batches: list[int], monkeypatch) -> None:
     # three prompts of 40 tokens (one with a logits processor's token context) and one of 25:
     # chunks of one shape go through the model together (all four's first 16 tokens, and the
     # three's last 7 with 32 cached each; not their middle chunks of a whole step), and every
@@ -313,21 +329,10 @@ def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
 
     procs = make_logits_processors(repetition_penalty=1.2)
     together = [seq(p, procs if i == 1 else []) for i, p in enumerate(prompts)]
-    batches: list[int] = []
-    real = solo_module._feed_batch
-
-    def spy(members, offset, n):
-        batches.append(len(members))
-        real(members, offset, n)
-
-    solo_module._feed_batch = spy
-    try:
-        rounds = 0
-        while not all(feed_chunks_together(together)):
-            rounds += 1
-    finally:
-        solo_module._feed_batch = real
-    assert batches == [4, 3] and rounds == 2
+    rounds = 0
+    while not all(feed_chunks_together(together)):
+        rounds += 1
+    assert fed_batches == [4, 3] and rounds == 2
     for s, prompt in zip(together, prompts, strict=True):
         s.wait()
         lone = seq(prompt, [])
@@ -342,36 +347,22 @@ def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path) -> None:
     assert together[1].context is not None and together[1].context.tokens.tolist() == prompts[1][:-1]
 
     # a last chunk after cached tokens is batched only while copying their caches is cheap
-    solo_module.BATCH_COPY_LIMIT, limit = 0, solo_module.BATCH_COPY_LIMIT
-    solo_module._feed_batch = spy
-    batches.clear()
-    try:
-        again = [seq(p, []) for p in prompts[:3]]
-        while not all(feed_chunks_together(again)):
-            pass
-    finally:
-        solo_module._feed_batch, solo_module.BATCH_COPY_LIMIT = real, limit
-    assert batches == [3]
+    monkeypatch.setattr(solo_module, "BATCH_COPY_LIMIT", 0)
+    fed_batches.clear()
+    again = [seq(p, []) for p in prompts[:3]]
+    while not all(feed_chunks_together(again)):
+        pass
+    assert fed_batches == [3]
 
 
-def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: Path, monkeypatch) -> None:
-    from omlx.engine import solo as solo_module
-
+def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: Path, fed_batches: list[int]) -> None:
     reqs = [request(f"r{k}", [3 + (i * k) % 390 for i in range(40)], 12) for k in (13, 7, 5)]
     expected = alone(model_path, reqs, solo=False, own_prefill=False)
     engine = make_engine(model_path, solo=False, prefill_step_size=16, own_prefill=True)
-    batches: list[int] = []
-    real = solo_module._feed_batch
-
-    def spy(members, offset, n):
-        batches.append(len(members))
-        real(members, offset, n)
-
-    monkeypatch.setattr(solo_module, "_feed_batch", spy)
 
     async def main() -> list[dict]:
         await engine.wait_ready()
-        batches.clear()  # the warm-up's
+        fed_batches.clear()  # the warm-up's
         gate = threading.Event()  # holds the engine thread until all three are in its inbox
         held = asyncio.ensure_future(engine.call(gate.wait))
         await asyncio.sleep(0.05)
@@ -387,5 +378,5 @@ def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: 
         engine.shutdown()
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
-    assert batches[0] == 3  # the three arrived together: their chunks went as one batch
+    assert fed_batches[0] == 3  # the three arrived together: their chunks went as one batch
 
