@@ -59,14 +59,25 @@ SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCo
 # An SSD run at least this large is read ahead (`PrefixCache.prefetch`) while the engine goes on
 # decoding; smaller ones are read in `lookup`, where they stall the other streams only briefly.
 PREFETCH_MIN_BYTES = 16 << 20
+# A RAM run at least PREFETCH_MIN_BYTES large is moved into device memory by `advance`, this
+# much per engine loop (~30 ms at the ~2 GB/s of MLX's host -> device copies on CUDA).
+RESTORE_CHUNK = 64 << 20
 
 
 @dataclass(eq=False)
 class Prefetch:
-    """Blocks being read from the SSD for one request (`PrefixCache.prefetch`)."""
+    """One request's cached prefix made ready off the critical path (`PrefixCache.prefetch`):
+    its SSD run read on reader threads, its RAM run moved to device memory a chunk per engine
+    loop (`advance`), deepest block first."""
 
-    keys: list[str]
+    keys: list[str]  # the SSD run read ahead
     futures: list[Any]  # of `TimedRead`, in the order of `keys`
+    ram_keys: list[str] = field(default_factory=list)  # the RAM run still to move, root first
+
+    @property
+    def needs_engine(self) -> bool:
+        """Whether `advance` has work to do on the engine thread (else only reads to wait for)."""
+        return bool(self.ram_keys)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
@@ -362,8 +373,10 @@ class PrefixCache(PrefixCacheHooks):
         parts = [(b, self.B) for b in blocks]
         # after a skipped restore the tail, too, only comes from device memory: the token-level
         # search would otherwise fetch from the tier just judged slower than recomputing
-        tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:], hot_only=skipped)
-        if tail is not None and limit - n > 0:
+        tail, usable = None, 0
+        if limit - n > 0:  # else no tail could be used: none is fetched from a slower tier
+            tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:], hot_only=skipped)
+        if tail is not None:
             # an exact repeat finds the whole prompt's tail: use all but the last token
             use = min(usable, limit - n)
             if blocks or use >= MIN_TAIL_ONLY_TOKENS:
@@ -472,13 +485,16 @@ class PrefixCache(PrefixCacheHooks):
             i = j
 
     def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Prefetch | None:
-        """Read ahead, on the SSD tier's reader threads, the SSD run `lookup(tokens)` would
-        restore: read in `lookup`, it would stall every stream of the engine (a 32,000-token
-        prompt of an 8B model is 4 GB: seconds of disk). Only a run that the measured rates
-        say to restore, and of at least `PREFETCH_MIN_BYTES`."""
+        """Make ready, off the critical path, what `lookup(tokens)` would restore from the slow
+        tiers: done in `lookup`, it would stall every stream of the engine (a 32,000-token prompt
+        of an 8B model is 4 GB: seconds of disk, or ~2 s of host -> device copy from RAM). The
+        SSD run is read on the SSD tier's threads (`on_done` is called, on some thread, when
+        the reads are over); the RAM run is moved to device memory by `advance`, a chunk per
+        engine loop. Only runs of at least `PREFETCH_MIN_BYTES` that the measured rates say to
+        restore; None when there is nothing to do ahead."""
         ssd, hot, warm = self.tiers.ssd, self.tiers.hot, self.tiers.warm
-        if ssd is None or not self.bytes_per_token or self.ssd_rate.value is None:
-            return None  # nothing measured yet: `lookup` probes the tier first
+        if (ssd is None and warm is None) or not self.bytes_per_token:
+            return None
         limit = len(tokens) - 1
         keys = block_keys(self.fp, tokens, self.B)
         start = 0
@@ -491,23 +507,33 @@ class PrefixCache(PrefixCacheHooks):
         in_ram = start
         while warm is not None and (in_ram + 1) * self.B <= limit and in_ram < len(keys) and warm.contains(keys[in_ram]):
             in_ram += 1
-        if in_ram > start and not self._restore_pays((in_ram - start) * self.B, self.warm_rate):
-            return None  # `lookup` will recompute from there: nothing on the SSD is used
-        start = in_ram
+        ram_run = keys[start:in_ram]
+        if ram_run and (self.warm_rate.value is None or not self._restore_pays(len(ram_run) * self.B, self.warm_rate)):
+            return None  # `lookup` probes the RAM tier, or recomputes from there (so no SSD either)
         run = []
-        for key in keys[start:]:
-            if (start + len(run) + 1) * self.B > limit or not ssd.contains(key, self.fp):
+        for key in keys[in_ram:] if ssd is not None and self.ssd_rate.value is not None else []:
+            if (in_ram + len(run) + 1) * self.B > limit or not ssd.contains(key, self.fp):
                 break
             run.append(key)
-        n_tokens = len(run) * self.B
-        if not run or n_tokens * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(n_tokens, self.ssd_rate):
+        if len(run) * self.B * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(
+            len(run) * self.B, self.ssd_rate
+        ):
+            run = []
+        if len(ram_run) * self.B * self.bytes_per_token < PREFETCH_MIN_BYTES:
+            ram_run = []
+        if not run and not ram_run:
             return None
-        try:
-            pending = Prefetch(run, ssd.read_ahead(run, self.fp))
-        except Exception:  # `lookup` reads in line then
-            log.exception("reading prefix-cache blocks of %s ahead failed", self.model_id)
+        futures: list[Any] = []
+        if run:
+            try:
+                futures = ssd.read_ahead(run, self.fp)
+            except Exception:  # `lookup` reads in line then
+                log.exception("reading prefix-cache blocks of %s ahead failed", self.model_id)
+                run = []
+        if not run and not ram_run:
             return None
-        left = [len(pending.futures)]
+        pending = Prefetch(run, futures, ram_run)
+        left = [len(futures)]
         lock = threading.Lock()
 
         def one_done(_: Any) -> None:
@@ -517,9 +543,32 @@ class PrefixCache(PrefixCacheHooks):
             if last:
                 on_done()
 
-        for future in pending.futures:
+        for future in futures:
             future.add_done_callback(one_done)
         return pending
+
+    def advance(self, prefetched: Prefetch, move: bool) -> bool:
+        """Engine thread, once per loop: with `move`, put up to `RESTORE_CHUNK` bytes of the RAM
+        run into device memory (the deepest blocks first, so its root ends the most recently
+        used: `_refresh_chain`). True once the whole prefetch is ready for `take` and `lookup`."""
+        if move and prefetched.ram_keys:
+            tic = time.perf_counter()
+            moved: list[CacheBlock] = []
+            size = 0
+            while prefetched.ram_keys and size < RESTORE_CHUNK:
+                block = self._from_warm(prefetched.ram_keys[-1])
+                if block is None:  # RAM let it go: `lookup` recomputes from there
+                    prefetched.ram_keys.clear()
+                    break
+                prefetched.ram_keys.pop()
+                moved.append(block)
+                size += block.nbytes
+            if moved:
+                mx.eval([t for b in moved for t in b.tensors.values()])
+                for block in moved:
+                    self.tiers.hot.put(block)
+                self.warm_rate.observe(size, time.perf_counter() - tic)
+        return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
 
     def take(self, prefetched: Prefetch) -> None:
         """Stage a finished prefetch's blocks for the next `lookup` (up to the first that

@@ -51,10 +51,18 @@ class PrefixCacheHooks:
         return None, 0
 
     def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Any | None:
-        """Start reading from a slow tier, off the engine thread, what `lookup(tokens)` would
-        restore from it; None when there is nothing worth reading ahead. `on_done` is called
-        (on some thread) when the reads are over; the engine then calls `take` and `lookup`."""
+        """Start making ready, off the critical path, what `lookup(tokens)` would restore from
+        slow tiers; None when there is nothing worth doing ahead. `on_done` is called (on some
+        thread) when background reads are over; the engine calls `advance` each loop until it
+        says ready, then `take` and `lookup`. The object's `needs_engine` says whether
+        `advance` still has work for the engine thread (else the engine may sleep until
+        `on_done`)."""
         return None
+
+    def advance(self, prefetched: Any, move: bool) -> bool:
+        """Engine thread, each loop: a bounded piece of the prefetch's own work (only with
+        `move`); True once it is ready."""
+        return True
 
     def take(self, prefetched: Any) -> None:
         """Make a finished prefetch's blocks available to the next `lookup`."""
@@ -161,8 +169,8 @@ class LLMEngine:
         self.kind = "llm"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Handle] = deque()
-        # requests whose cached prefix is being read from the SSD while the engine goes on
-        # (`PrefixCacheHooks.prefetch`); each comes back through the inbox when it is read
+        # requests whose cached prefix is being made ready while the engine goes on
+        # (`PrefixCacheHooks.prefetch`): read from the SSD, moved from RAM a chunk per loop
         self._restoring: dict[_Handle, Any] = {}
         self._running: dict[int, _Running] = {}
         self._by_request: dict[str, _Handle] = {}
@@ -374,7 +382,8 @@ class LLMEngine:
         while not self._stop.is_set():
             idle = not self._running and not self._waiting
             try:
-                self._drain_inbox(block=idle and not unwritten)
+                moving = any(getattr(p, "needs_engine", False) for p in self._restoring.values())
+                self._drain_inbox(block=idle and not unwritten and not moving)
                 self._admit()
                 if self._running:
                     self._step()
@@ -408,12 +417,8 @@ class LLMEngine:
                 handle = msg[1]
                 self._waiting.append(handle)
                 self._by_request[handle.request.request_id] = handle
-            elif kind == "restored":
-                handle = msg[1]
-                prefetched = self._restoring.pop(handle, None)
-                if prefetched is not None:  # else it was cancelled meanwhile
-                    handle.prefetched = prefetched
-                    self._waiting.appendleft(handle)
+            elif kind == "restored":  # a read-ahead is over: `_admit` looks at it now
+                pass
             elif kind == "cancel":
                 self._cancel(msg[1])
             elif kind == "call":
@@ -454,7 +459,18 @@ class LLMEngine:
         else:
             self._bg.remove([state.uid])
 
+    def _advance_restoring(self) -> None:
+        """Move on the prefetches of requests whose cached prefix is being restored (one of
+        them moves a chunk to device memory per loop); those ready go first in line."""
+        mover = next((p for p in self._restoring.values() if getattr(p, "needs_engine", False)), None)
+        ready = [h for h, p in self._restoring.items() if self.prefix_cache.advance(p, move=p is mover)]
+        for handle in reversed(ready):
+            handle.prefetched = self._restoring.pop(handle)
+            self._waiting.appendleft(handle)
+
     def _admit(self) -> None:
+        if self._restoring:
+            self._advance_restoring()
         if self._waiting and self._solo_uid is not None and self.max_concurrent > 1:
             self._hand_off()  # a second request: the solo one joins the batch first
         while self._waiting and len(self._running) + len(self._restoring) < self.max_concurrent:
@@ -472,15 +488,16 @@ class LLMEngine:
                 self._emit(handle, GenerationEvent(finish_reason="error", error=str(exc)))
 
     def _read_ahead(self, handle: _Handle) -> bool:
-        """Whether the request's cached prefix is being read from the SSD, off this thread
-        (it comes back through the inbox); read here in `lookup`, every stream would wait."""
+        """Whether the request's cached prefix is being made ready ahead (read from the SSD
+        off this thread, moved from RAM a chunk per loop); done in `lookup`, every running
+        stream would wait for it."""
         req = handle.request
         if req.max_tokens <= 0:
             return False
         prefetched = self.prefix_cache.prefetch(req.prompt_tokens, lambda: self._inbox.put(("restored", handle)))
         if prefetched is None:
             return False
-        log.debug("request=%s reads its cached prefix from the SSD ahead", req.request_id)
+        log.debug("request=%s restores its cached prefix ahead", req.request_id)
         self._restoring[handle] = prefetched
         return True
 

@@ -541,3 +541,105 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
     assert cached == 12 * B - B and got == expected  # restored from the SSD (all but the last block)
     assert ttft > 1.2  # it waited for the disk (11 blocks of 0.6 s on 4 threads)...
     assert worst_gap < 0.5  # ...and the other stream did not (read in line: one gap of >= 1.8 s)
+
+
+def test_a_ram_run_moves_to_device_memory_a_chunk_per_engine_loop(monkeypatch) -> None:
+    """Restoring from RAM copies host -> device (~2 GB/s through MLX on CUDA): done in `lookup`
+    at once, every stream waits for all of it; `advance` moves a bounded chunk per loop."""
+    from omlx.cache import prefix_cache
+
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    warm = HotTier(1 << 30)
+    store = CacheStore(HotTier(1 << 30), None, B, warm=warm)
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 8 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    store.hot.set_max_bytes(0)  # everything goes to RAM...
+    store.hot.set_max_bytes(1 << 30)  # ...and device memory has room again
+    assert warm.stats()["blocks"] == 9 and store.hot.stats()["blocks"] == 0
+    cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
+    cache.warm_rate.observe(1e9, 1.0)
+    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 2 * block_bytes)
+    pending = cache.prefetch(tokens, lambda: None)
+    assert pending is not None and pending.needs_engine and not pending.futures
+    in_device = []
+    while not cache.advance(pending, move=True):
+        in_device.append(store.hot.stats()["blocks"])
+    in_device.append(store.hot.stats()["blocks"])
+    assert in_device == [2, 4, 6, 8]  # two blocks a loop
+    assert cache.advance(pending, move=False)  # ready stays ready
+
+    def no_ram(*_a, **_k):
+        raise AssertionError("lookup copied from RAM")
+
+    monkeypatch.setattr(cache, "_from_warm", no_ram)
+    cache.take(pending)
+    caches, n = cache.lookup(tokens)
+    assert n == 8 * B
+    for layer, c in enumerate(kv(len(tokens))):
+        assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
+    # the root ends most recently used: a squeeze takes the chain's end first
+    store.hot.set_max_bytes(3 * block_bytes)
+    monkeypatch.undo()
+    assert cache.lookup(tokens[: 3 * B + 1])[1] == 3 * B
+
+
+def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir: Path, monkeypatch) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from omlx.cache import prefix_cache
+    from omlx.engine.llm_engine import LLMEngine
+    from omlx.engine.request import GenerationRequest, SamplingParams
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    warm = HotTier(1 << 30)
+    store = CacheStore(HotTier(1 << 30), None, B, warm=warm)
+    made: list[PrefixCache] = []
+
+    def factory(loaded: SimpleNamespace) -> PrefixCache:
+        made.append(PrefixCache(store, FP, len(loaded.model.layers), "m"))
+        return made[-1]
+
+    engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=factory)
+    prompt = [5 + (i * 7) % 390 for i in range(12 * B)]
+    bias = {0: -100.0, 1: -100.0, 2: -100.0}
+    advanced: list[bool] = []
+    real_advance = PrefixCache.advance
+
+    def counting(self, prefetched, move):
+        advanced.append(move)
+        return real_advance(self, prefetched, move)
+
+    async def run(rid: str) -> tuple[list[int], int]:
+        got, cached = [], 0
+        async for ev in engine.generate(GenerationRequest(rid, prompt, 8, SamplingParams(temperature=0.0, logit_bias=bias))):
+            got += ev.token_ids
+            cached = ev.cached_tokens or cached
+        return got, cached
+
+    async def main() -> tuple[tuple[list[int], int], tuple[list[int], int]]:
+        await engine.wait_ready()
+        first = await run("a")
+        await engine.call(lambda: None)  # after the engine stored its blocks (behind the answer)
+        store.hot.set_max_bytes(0)  # its blocks go to RAM
+        store.hot.set_max_bytes(1 << 30)
+        made[-1].prefill.observe(100, 0, 100.0)  # recomputing is slow: restore
+        made[-1].warm_rate.observe(1e9, 1.0)
+        monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+        monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop
+        monkeypatch.setattr(PrefixCache, "advance", counting)
+        return first, await run("b")
+
+    try:
+        (first, _), (again, cached) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert again == first and cached == len(prompt) - 1  # all but the last token, restored ahead
+    assert advanced.count(True) >= 11  # one block a loop
