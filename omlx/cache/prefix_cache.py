@@ -508,8 +508,8 @@ class PrefixCache(PrefixCacheHooks):
         while warm is not None and (in_ram + 1) * self.B <= limit and in_ram < len(keys) and warm.contains(keys[in_ram]):
             in_ram += 1
         ram_run = keys[start:in_ram]
-        if ram_run and (self.warm_rate.value is None or not self._restore_pays(len(ram_run) * self.B, self.warm_rate)):
-            return None  # `lookup` probes the RAM tier, or recomputes from there (so no SSD either)
+        if ram_run and not self._restore_pays(len(ram_run) * self.B, self.warm_rate):
+            return None  # `lookup` recomputes from there: no SSD block is used either
         run = []
         for key in keys[in_ram:] if ssd is not None and self.ssd_rate.value is not None else []:
             if (in_ram + len(run) + 1) * self.B > limit or not ssd.contains(key, self.fp):
@@ -519,8 +519,12 @@ class PrefixCache(PrefixCacheHooks):
             len(run) * self.B, self.ssd_rate
         ):
             run = []
-        if len(ram_run) * self.B * self.bytes_per_token < PREFETCH_MIN_BYTES:
-            ram_run = []
+        block_bytes = self.B * self.bytes_per_token
+        if self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
+            ram_run = []  # unmeasured: `lookup` times a part of it first; small: in line is fine
+        # no more than half the hot tier: moved deepest first, a larger run would push its own
+        # deep blocks out again before `lookup`, which copies the rest in line
+        ram_run = ram_run[: max(0, hot.max_bytes // 2 // max(1, block_bytes))]
         if not run and not ram_run:
             return None
         futures: list[Any] = []
@@ -555,19 +559,27 @@ class PrefixCache(PrefixCacheHooks):
             tic = time.perf_counter()
             moved: list[CacheBlock] = []
             size = 0
+            hot = self.tiers.hot
             while prefetched.ram_keys and size < RESTORE_CHUNK:
-                block = self._from_warm(prefetched.ram_keys[-1])
-                if block is None:  # RAM let it go: `lookup` recomputes from there
+                key = prefetched.ram_keys[-1]
+                if hot.contains(key) or key in self._unwritten:  # another request moved it
+                    prefetched.ram_keys.pop()
+                    continue
+                block = self._from_warm(key)
+                if block is None:  # RAM let it go: `lookup` restores what is left, or recomputes
                     prefetched.ram_keys.clear()
                     break
                 prefetched.ram_keys.pop()
                 moved.append(block)
                 size += block.nbytes
             if moved:
-                mx.eval([t for b in moved for t in b.tensors.values()])
+                # a device operation over every array: on CUDA their first device use migrates
+                # them, part of what a restore from RAM costs (and what `lookup` times too)
+                mx.eval([t.sum() for b in moved for t in b.tensors.values()])
                 for block in moved:
-                    self.tiers.hot.put(block)
+                    hot.put(block)
                 self.warm_rate.observe(size, time.perf_counter() - tic)
+                self._save_costs()
         return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
 
     def take(self, prefetched: Prefetch) -> None:

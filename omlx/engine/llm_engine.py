@@ -463,9 +463,17 @@ class LLMEngine:
         """Move on the prefetches of requests whose cached prefix is being restored (one of
         them moves a chunk to device memory per loop); those ready go first in line."""
         mover = next((p for p in self._restoring.values() if getattr(p, "needs_engine", False)), None)
-        ready = [h for h, p in self._restoring.items() if self.prefix_cache.advance(p, move=p is mover)]
-        for handle in reversed(ready):
-            handle.prefetched = self._restoring.pop(handle)
+        ready: list[tuple[_Handle, Any]] = []
+        for handle, prefetched in self._restoring.items():
+            try:
+                if self.prefix_cache.advance(prefetched, move=prefetched is mover):
+                    ready.append((handle, prefetched))
+            except Exception:  # caching is an optimisation: `lookup` restores in line instead
+                log.exception("restoring the cached prefix of %s ahead failed", handle.request.request_id)
+                ready.append((handle, None))
+        for handle, prefetched in reversed(ready):
+            del self._restoring[handle]
+            handle.prefetched = prefetched
             self._waiting.appendleft(handle)
 
     def _admit(self) -> None:

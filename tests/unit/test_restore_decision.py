@@ -643,3 +643,44 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         engine.shutdown()
     assert again == first and cached == len(prompt) - 1  # all but the last token, restored ahead
     assert advanced.count(True) >= 11  # one block a loop
+
+
+def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]:
+    """A cache whose 8-block chain (plus a 1-token tail) sits in RAM only, rates measured."""
+    from omlx.cache import prefix_cache
+
+    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 8 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    store.hot.set_max_bytes(0)
+    store.hot.set_max_bytes(hot_bytes)
+    cache.prefill.observe(100, 0, 100.0)
+    cache.warm_rate.observe(1e9, 1.0)
+    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    return cache, tokens
+
+
+def test_requests_sharing_a_prefix_move_it_from_ram_once(monkeypatch) -> None:
+    cache, tokens = ram_only_cache(1 << 30, monkeypatch)
+    first, second = cache.prefetch(tokens, lambda: None), cache.prefetch(tokens, lambda: None)
+    assert first is not None and second is not None
+    while not cache.advance(first, move=True):
+        pass
+    copies = []
+    real = cache._from_warm
+    monkeypatch.setattr(cache, "_from_warm", lambda key: copies.append(key) or real(key))
+    assert cache.advance(second, move=True) and copies == []  # the first one moved them all
+    assert cache.prefetch(tokens, lambda: None) is None  # in device memory now: nothing to do
+
+
+def test_a_ram_run_larger_than_half_the_hot_tier_moves_only_its_start(monkeypatch) -> None:
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4
+    cache, tokens = ram_only_cache(6 * block_bytes, monkeypatch)
+    pending = cache.prefetch(tokens, lambda: None)
+    assert pending is not None and pending.ram_keys == block_keys(FP, tokens, B)[:3]
+    while not cache.advance(pending, move=True):
+        pass
+    cache.take(pending)
+    caches, n = cache.lookup(tokens)  # the other five come from RAM here
+    assert n == 8 * B and caches[0].offset == 8 * B
