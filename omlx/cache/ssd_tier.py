@@ -215,6 +215,7 @@ class SSDTier:
         self._idle = threading.Condition(self._lock)
         self._pool: ThreadPoolExecutor | None = None  # `get_many`'s readers
         self._ahead_pool: ThreadPoolExecutor | None = None  # `read_ahead`'s
+        self._ahead: dict[str, Future[TimedRead]] = {}  # reads ahead in flight, by key
         self._closed = False
         self._writes_disabled = False
         self._counters = dict.fromkeys(
@@ -328,7 +329,20 @@ class SSDTier:
             block = self._read(key, fingerprint)
             return TimedRead(block, tic, time.perf_counter())
 
-        return [pool.submit(timed, k) for k in keys]
+        def forget(key: str, future: Future[TimedRead]) -> None:
+            with self._lock:
+                if self._ahead.get(key) is future:
+                    del self._ahead[key]
+
+        futures = []
+        with self._lock:  # a block already being read ahead (for another request) is read once
+            for key in keys:
+                future = self._ahead.get(key)
+                if future is None:
+                    future = self._ahead[key] = pool.submit(timed, key)
+                    future.add_done_callback(lambda f, k=key: forget(k, f))
+                futures.append(future)
+        return futures
 
     def _reader_pool(self, name: str) -> ThreadPoolExecutor | None:
         """The pool in attribute `name`, made on first use; None once the tier is closed."""

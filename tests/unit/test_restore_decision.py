@@ -439,12 +439,21 @@ def test_reads_ahead_do_not_hold_up_reads_in_line(tmp_path: Path, monkeypatch) -
             time.sleep(0.5)
         return real_load(self, path, key, fp)
 
-    monkeypatch.setattr(SSDTier, "_load", slow_load)
+    loads: list[str] = []
+
+    def counted_slow_load(self, path, key, fp):
+        loads.append(key)
+        return slow_load(self, path, key, fp)
+
+    monkeypatch.setattr(SSDTier, "_load", counted_slow_load)
     ahead = ssd.read_ahead(slow_keys, FP)  # 2 s of reads on 4 threads
     tic = time.perf_counter()
     got = ssd.get_many(quick_keys, FP)
     assert time.perf_counter() - tic < 0.4 and all(b is not None for b in got)
+    again = ssd.read_ahead(slow_keys[4:], FP)  # another request with the same prefix, meanwhile
+    assert again == ahead[4:]  # the reads in flight, not new ones
     assert all(f.result(10).block is not None for f in ahead)
+    assert sorted(k for k in loads if k in slow_keys) == sorted(slow_keys)  # each read once
     ssd.close()
 
 
