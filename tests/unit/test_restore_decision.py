@@ -7,9 +7,11 @@ only the prefill timings are fed in by hand, to stand for a fast or a slow devic
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -510,7 +512,7 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
 
     monkeypatch.setattr(SSDTier, "_load", slow_load)
 
-    async def second_run() -> tuple[list[int], float, float, int]:
+    async def second_run() -> tuple[list[int], float, float, int, list[Any]]:
         await e2.wait_ready()
         cache = made[-1]
         cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: restore
@@ -540,16 +542,34 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
             got += ev.token_ids
             cached = ev.cached_tokens or cached
         await bg
-        return got, window[1] - window[0], max(gaps), cached
+
+        # a client that goes away while its prefix is being read: the engine forgets it
+        cache.tiers.hot.clear()  # the prefix is on the SSD only again
+        stream = e2.generate(request("c", shared, 8))
+        pending = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.3)
+        restoring = [len(e2._restoring)]
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
+        await stream.aclose()
+        for _ in range(30):  # long before its reads are over (11 blocks of 0.6 s on 4 threads)
+            if not e2._restoring and e2.waiting_count == 0:
+                break
+            await asyncio.sleep(0.01)
+        restoring.append(len(e2._restoring) + e2.waiting_count)
+        after = [t async for ev in e2.generate(request("d", shared, 8)) for t in ev.token_ids]
+        return got, window[1] - window[0], max(gaps), cached, [restoring, after]
 
     try:
-        got, ttft, worst_gap, cached = asyncio.run(second_run())
+        got, ttft, worst_gap, cached, (restoring, after) = asyncio.run(second_run())
     finally:
         e2.shutdown()
         made[-1].tiers.ssd.close()
     assert cached == 12 * B - B and got == expected  # restored from the SSD (all but the last block)
     assert ttft > 1.2  # it waited for the disk (11 blocks of 0.6 s on 4 threads)...
     assert worst_gap < 0.5  # ...and the other stream did not (read in line: one gap of >= 1.8 s)
+    assert restoring == [1, 0] and after == expected
 
 
 def test_a_ram_run_moves_to_device_memory_a_chunk_per_engine_loop(monkeypatch) -> None:
