@@ -301,12 +301,11 @@ class PrefixCache(PrefixCacheHooks):
         # outside the hot budget now, and their MLX arrays are best read on this thread)
         self._evicted: set[str] = set()
         self._owner = threading.get_ident()  # made on the engine thread (`make_prefix_cache`)
-        # blocks a finished prefetch read for the next lookup; their bytes and the seconds
-        # their reads took, charged to the SSD's restore rate by the share `lookup` uses
+        # blocks a finished prefetch read for the next lookup, the seconds their reads took per
+        # byte, and the read seconds of those `lookup` used (charged to the SSD's restore rate)
         self._staged: dict[str, HostBlock] = {}
-        self._staged_bytes = 0
-        self._staged_seconds = 0.0
-        self._staged_used = 0
+        self._staged_s_per_byte = 0.0
+        self._staged_read_s = 0.0
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
@@ -330,8 +329,7 @@ class PrefixCache(PrefixCacheHooks):
             return self._lookup(tokens)
         finally:  # one request's read-ahead; what it did not use goes
             self._staged.clear()
-            self._staged_bytes = self._staged_used = 0
-            self._staged_seconds = 0.0
+            self._staged_s_per_byte = self._staged_read_s = 0.0
 
     def _lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         limit = len(tokens) - 1  # at least one token must be computed to get logits
@@ -363,10 +361,9 @@ class PrefixCache(PrefixCacheHooks):
                 self._from_ssd, self.ssd_rate, restored,
             )  # fmt: skip
             blocks += got
-        if self._staged_used:  # the reads ahead of what was used count into the SSD's restore time
-            read_s = self._staged_seconds * self._staged_used / max(1, self._staged_bytes)
+        if self._staged_read_s:  # the reads ahead of what was used count into the SSD's restore time
             restored[:] = [
-                (rate, nbytes, seconds + (read_s if rate is self.ssd_rate else 0.0))
+                (rate, nbytes, seconds + (self._staged_read_s if rate is self.ssd_rate else 0.0))
                 for rate, nbytes, seconds in restored
             ]
         n = len(blocks) * self.B
@@ -414,11 +411,7 @@ class PrefixCache(PrefixCacheHooks):
         recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
         ends the run. What was restored and its time so far go to `restored`, for `lookup`
         to observe once the model's cache is built."""
-        run = []
-        for i in range(start, len(keys)):
-            if (i + 1) * self.B > limit or not contains(keys[i]):
-                break
-            run.append(keys[i])
+        run = self._run_in(keys, start, limit, contains)
         if not run:
             return [], False
         got: list[CacheBlock] = []
@@ -448,6 +441,16 @@ class PrefixCache(PrefixCacheHooks):
             got += more
         return got, False
 
+    def _run_in(self, keys: list[str], start: int, limit: int, contains: Callable[[str], bool]) -> list[str]:
+        """The keys from `keys[start]` on that `contains` holds, as far as full blocks within
+        `limit` tokens go (what a lookup would restore from that tier)."""
+        run = []
+        for i in range(start, len(keys)):
+            if (i + 1) * self.B > limit or not contains(keys[i]):
+                break
+            run.append(keys[i])
+        return run
+
     def _fetch(
         self, run: list[str], fetch: Callable[[list[str]], Iterable[CacheBlock | None]]
     ) -> tuple[list[CacheBlock], float]:
@@ -474,7 +477,7 @@ class PrefixCache(PrefixCacheHooks):
         while i < len(run):
             held = self._staged.pop(run[i], None)
             if held is not None:
-                self._staged_used += held.nbytes
+                self._staged_read_s += held.nbytes * self._staged_s_per_byte
                 yield held.to_block()
                 i += 1
                 continue
@@ -497,24 +500,15 @@ class PrefixCache(PrefixCacheHooks):
             return None
         limit = len(tokens) - 1
         keys = block_keys(self.fp, tokens, self.B)
-        start = 0
         with self._unwritten_lock:
             unwritten = set(self._unwritten)
-        while (start + 1) * self.B <= limit and start < len(keys):  # `lookup`'s device run
-            if not (hot.contains(keys[start]) or keys[start] in unwritten):
-                break
-            start += 1
-        in_ram = start
-        while warm is not None and (in_ram + 1) * self.B <= limit and in_ram < len(keys) and warm.contains(keys[in_ram]):
-            in_ram += 1
-        ram_run = keys[start:in_ram]
+        start = len(self._run_in(keys, 0, limit, lambda k: hot.contains(k) or k in unwritten))  # device
+        ram_run = self._run_in(keys, start, limit, warm.contains) if warm is not None else []
         if ram_run and not self._restore_pays(len(ram_run) * self.B, self.warm_rate):
             return None  # `lookup` recomputes from there: no SSD block is used either
         run = []
-        for key in keys[in_ram:] if ssd is not None and self.ssd_rate.value is not None else []:
-            if (in_ram + len(run) + 1) * self.B > limit or not ssd.contains(key, self.fp):
-                break
-            run.append(key)
+        if ssd is not None and self.ssd_rate.value is not None:
+            run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
         if len(run) * self.B * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(
             len(run) * self.B, self.ssd_rate
         ):
@@ -593,11 +587,10 @@ class PrefixCache(PrefixCacheHooks):
                 break
             self._staged[key] = read.block
             reads.append(read)
-        self._staged_bytes = sum(b.nbytes for b in self._staged.values())
-        self._staged_used = 0
-        timed = [r for r in reads if r.finished]
-        # from its first read's start to its last read's end (not time queued before them)
-        self._staged_seconds = max(r.finished for r in timed) - min(r.started for r in timed) if timed else 0.0
+        self._staged_read_s = 0.0
+        if reads:  # from the first read's start to the last one's end (not time queued before)
+            seconds = max(r.finished for r in reads) - min(r.started for r in reads)
+            self._staged_s_per_byte = seconds / max(1, sum(r.block.nbytes for r in reads))
 
     def _from_warm(self, key: str) -> CacheBlock | None:
         """A block held in host RAM as MLX arrays again, or None if RAM no longer has it."""

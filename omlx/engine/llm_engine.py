@@ -512,10 +512,7 @@ class LLMEngine:
     def _insert(self, handle: _Handle) -> None:
         req = handle.request
         tokens = req.prompt_tokens
-        if handle.taken is None:  # not through `_admit` (no read-ahead asked)
-            handle.taken = time.perf_counter()
-            handle.queued = max(0.0, time.time() - req.created)
-        queued, taken = handle.queued, handle.taken
+        queued, taken = handle.queued, handle.taken or time.perf_counter()  # set by `_admit`
         prompt_logprobs = None
         if req.prompt_logprobs is not None:
             prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
