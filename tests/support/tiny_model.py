@@ -57,8 +57,11 @@ def build_tiny_llama(
     context: int = 2048,
     model_type: str = "llama",
     extra_config: dict | None = None,
+    dtype: str = "float32",
 ) -> Path:
-    """A random-weight model folder that mlx_lm.load() accepts; ~2 MB, loads in ~0.05 s."""
+    """A random-weight model folder that mlx_lm.load() accepts; ~2 MB, loads in ~0.05 s.
+    `dtype="bfloat16"` gives the half-precision path (MLX's CUDA prefill attention runs
+    cuDNN only for half-precision inputs)."""
     import importlib
 
     import mlx.core as mx
@@ -91,7 +94,7 @@ def build_tiny_llama(
     from mlx.utils import tree_flatten
 
     model.load_weights([(k, v * 4.0 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())])
-    model.set_dtype(mx.float32)
+    model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     save_model(out, model)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -1,0 +1,67 @@
+"""A long-running server meets a new prompt length with almost every request. On MLX's CUDA
+backend each new (chunk, context) shape builds a cuDNN attention graph kept in an LRU, and
+MLX 0.32 raises an error for every new shape once a process has missed twice that LRU's
+capacity (its "cache thrashing" check). `omlx serve` turns the check off; this test shrinks
+the LRU so that a few dozen distinct prompt lengths cross the line, and checks that every
+request is still answered — and, as the control, that with MLX's check on they are not.
+
+Skipped unless MLX's CUDA backend is installed and sees a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_llama
+
+mx = pytest.importorskip("mlx.core")
+
+pytestmark = pytest.mark.skipif(
+    not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="needs MLX's CUDA backend and a GPU"
+)
+
+LRU = 8
+LENGTHS = list(range(40, 40 + 7 * 6 * LRU, 7))  # 48 distinct lengths: six times the LRU
+
+
+@pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    build_tiny_llama(root / "tiny-bf16", dtype="bfloat16")
+    return root
+
+
+def answered(models: Path, home: Path, check: str) -> list[int]:
+    """HTTP status of one completion per prompt length, with MLX's check set to `check`."""
+    env = {"MLX_CUDA_SDPA_CACHE_SIZE": str(LRU), "MLX_ENABLE_CACHE_THRASHING_CHECK": check}
+    server = ServerProcess(home, ["--model-dir", str(models), "--model", "tiny-bf16", "--no-cache"], env=env)
+    server.start()
+    rng = random.Random(7)
+    statuses = []
+    try:
+        for n in LENGTHS:
+            body = {"model": "tiny-bf16", "prompt": [rng.randrange(3, 400) for _ in range(n)], "max_tokens": 2}
+            statuses.append(httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code)
+        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    return statuses
+
+
+def test_every_new_prompt_length_is_answered_past_the_shape_cache(bf16_model_dir, tmp_path):
+    statuses = answered(bf16_model_dir, tmp_path / "off", "0")
+    assert statuses == [200] * len(LENGTHS)
+
+
+def test_control_mlx_check_on_fails_prefills_past_the_shape_cache(bf16_model_dir, tmp_path):
+    """Without this failing, the test above would not exercise what it claims to."""
+    statuses = answered(bf16_model_dir, tmp_path / "on", "1")
+    assert statuses[:LRU] == [200] * LRU
+    assert any(s >= 500 for s in statuses), "MLX's thrashing check no longer trips: revisit runner.py's override"
