@@ -34,7 +34,7 @@ from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
-from omlx.engine.solo import SoloSequence, feed_chunks_together
+from omlx.engine.solo import PREFILL_QUANTUM, SoloSequence, align_cached, feed_chunks_together
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.loader import LoadedLLM
@@ -141,6 +141,7 @@ class LLMEngine:
         prefill_step_size: int = 512,
         solo: bool = True,
         own_prefill: bool | None = None,
+        prefill_quantum: int | None = None,
         prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
         on_finished: Callable[[str, dict[str, Any]], None] | None = None,
     ):
@@ -161,6 +162,12 @@ class LLMEngine:
         # newcomers to a busy engine prefilled here rather than by the BatchGenerator (None:
         # on a CUDA GPU, where mlx-lm's prefill empties MLX's buffer cache at a high price)
         self.own_prefill = discrete_gpu() if own_prefill is None else own_prefill
+        # prefill shapes on a grid (solo.py says why; None: on a CUDA GPU, where the engine
+        # prefills every prompt itself)
+        if prefill_quantum is None:
+            prefill_quantum = PREFILL_QUANTUM if self.own_prefill else 0
+        # chunks end on multiples of the step: off the grid unless it is a multiple too
+        self.prefill_quantum = prefill_quantum if prefill_quantum and prefill_step_size % prefill_quantum == 0 else 0
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
@@ -529,6 +536,7 @@ class LLMEngine:
             self.prefix_cache.take(handle.prefetched)
             handle.prefetched = None
         cache, cached = self.prefix_cache.lookup(tokens)
+        cache, cached = align_cached(cache, cached, self.prefill_quantum)
         stop_seqs = None
         if req.stop_token_ids:
             stop_seqs = StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])
@@ -553,6 +561,7 @@ class LLMEngine:
             state.solo = SoloSequence(
                 self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
                 logits_processors=state.processors, prefill_step_size=self.prefill_step_size,
+                quantum=self.prefill_quantum,
             )
             if alone:
                 self._solo_uid = state.uid

@@ -22,7 +22,8 @@ from omlx.engine.request import GenerationRequest, SamplingParams
 
 
 def make_engine(
-    model_path: Path, *, solo: bool, prefill_step_size: int = 512, own_prefill: bool | None = None
+    model_path: Path, *, solo: bool, prefill_step_size: int = 512, own_prefill: bool | None = None,
+    prefill_quantum: int | None = None,
 ) -> LLMEngine:
     def loader() -> SimpleNamespace:
         from mlx_lm import load
@@ -31,8 +32,9 @@ def make_engine(
         return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
 
     return LLMEngine(
-        "tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size, own_prefill=own_prefill
-    )
+        "tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size, own_prefill=own_prefill,
+        prefill_quantum=prefill_quantum,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -380,3 +382,123 @@ def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: 
         assert_same(g, e)
     assert fed_batches[0] == 3  # the three arrived together: their chunks went as one batch
 
+
+
+class ShapeSpy:
+    """The model, recording (tokens fed, tokens cached before) of every forward pass."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, []
+
+    def __call__(self, x, cache):
+        self.calls.append((x.shape[1], cache[0].offset))
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, name):  # layers, make_cache ... for make_prompt_cache
+        return getattr(self.model, name)
+
+
+def decode(seq, n: int) -> tuple[list[int], list[mx.array]]:
+    while not seq.prefill():
+        pass
+    out = [seq.next(launch=i < n - 1) for i in range(n)]
+    return [t for t, _ in out], [lp for _, lp in out]
+
+
+def test_last_chunk_is_padded_to_the_quantum_and_feeds_what_the_plain_one_does(model_path: Path) -> None:
+    # a step of 64 and a quantum of 32: 100 tokens go as 64, then 35 padded to 64 (its padding
+    # trimmed from the cache), then the last one alone; the cache and every logit after it
+    # are those of the plain chunks (the padding follows the real tokens under a causal mask)
+    from mlx_lm import load
+
+    from omlx.engine.solo import SoloSequence
+
+    model, _ = load(str(model_path))
+    prompt = [5 + (i * 7) % 390 for i in range(100)]
+    runs = {}
+    for q in (0, 32):
+        spy = ShapeSpy(model)
+        seq = SoloSequence(spy, prompt, cache=None, cached=[], sampler=None, logits_processors=[],
+                           prefill_step_size=64, quantum=q)  # fmt: skip
+        tokens, logprobs = decode(seq, 8)
+        runs[q] = (spy.calls[:3], tokens, logprobs, seq.cache)
+    assert runs[0][0] == [(64, 0), (35, 64), (1, 99)]
+    assert runs[32][0] == [(64, 0), (64, 64), (1, 99)]
+    assert runs[32][1] == runs[0][1]
+    for a, b in zip(runs[32][2], runs[0][2], strict=True):
+        assert mx.allclose(a, b, atol=1e-4)
+    for padded, plain in zip(runs[32][3], runs[0][3], strict=True):
+        assert padded.offset == plain.offset == 100 + 7
+        assert mx.allclose(padded.state[0][..., :107, :], plain.state[0][..., :107, :], atol=1e-4)
+
+
+def test_cached_depth_is_aligned_to_the_quantum_and_continues_as_before(model_path: Path) -> None:
+    from mlx_lm import load
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from omlx.engine.solo import SoloSequence, align_cached
+
+    model, _ = load(str(model_path))
+    prompt = [5 + (i * 11) % 390 for i in range(150)]
+
+    def prefilled(n: int) -> list:
+        seq = SoloSequence(model, prompt[: n + 1], cache=None, cached=[], sampler=None, logits_processors=[],
+                           prefill_step_size=64)  # fmt: skip
+        while not seq.feed_chunk():
+            pass
+        seq.wait()
+        return seq.cache
+
+    cache, cached = align_cached(prefilled(100), 100, 32)
+    assert cached == 96 and all(c.offset == 96 for c in cache)
+    seq = SoloSequence(model, prompt[96:], cache=cache, cached=prompt[:96], sampler=None, logits_processors=[],
+                       prefill_step_size=64, quantum=32)  # fmt: skip
+    fresh = SoloSequence(model, prompt, cache=None, cached=[], sampler=None, logits_processors=[],
+                         prefill_step_size=64)  # fmt: skip
+    (t1, l1), (t2, l2) = decode(seq, 6), decode(fresh, 6)
+    assert t1 == t2 and all(mx.allclose(a, b, atol=1e-4) for a, b in zip(l1, l2, strict=True))
+
+    assert align_cached(prefilled(20), 20, 32) == (None, 0)  # less than one quantum: recompute it all
+    on_grid = prefilled(64)
+    assert align_cached(on_grid, 64, 32) == (on_grid, 64)
+    assert align_cached(on_grid, 64, 0) == (on_grid, 64)
+    rotating = [RotatingKVCache(max_size=256) for _ in on_grid]  # not trimmable to a depth: kept
+    assert align_cached(rotating, 40, 32) == (rotating, 40)
+
+
+def test_engine_prefills_on_the_grid_and_answers_as_mlx_lm_does(model_path: Path, fed_batches: list[int]) -> None:
+    # own prefill with a quantum: newcomers' chunks (batched ones too) start and end on it;
+    # only the last prompt token and decode steps are fed one at a time
+    reqs = [
+        request("x", [3 + (i * 13) % 390 for i in range(70)], 12),
+        request("y", [3 + (i * 7) % 390 for i in range(70)], 12, repetition_penalty=1.2),
+        request("z", [7 + (i * 5) % 390 for i in range(55)], 12),
+    ]
+    expected = alone(model_path, reqs, solo=False, own_prefill=False)
+    engine = make_engine(model_path, solo=False, prefill_step_size=64, own_prefill=True, prefill_quantum=32)
+
+    async def main() -> list[dict]:
+        await engine.wait_ready()
+        spy = ShapeSpy(engine.model)
+        engine.model = spy
+        fed_batches.clear()
+        gate = threading.Event()  # all three reach the engine together
+        held = asyncio.ensure_future(engine.call(gate.wait))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await held
+        got = await asyncio.gather(*tasks)
+        engine.model = spy.model
+        return got, spy.calls
+
+    try:
+        got, calls = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+    chunks = [(n, at) for n, at in calls if n > 1]
+    assert chunks and all(n % 32 == 0 and at % 32 == 0 for n, at in chunks), chunks
+    assert fed_batches[:2] == [3, 2]  # 64 of each; then x's and y's last 5 (padded to 32) together
