@@ -52,10 +52,16 @@ MAX_SIBLINGS = 16
 MIN_TAIL_ONLY_TOKENS = 32
 # Blocks that may wait for the SSD in device memory while a CUDA engine is busy (beyond it,
 # the oldest are handed over between steps); at most WRITE_BACK_CHUNK bytes per engine loop,
-# so a step, or a request arriving at an idle engine, waits for at most that much copying.
+# so a step, or a request arriving at an idle engine, waits for at most that much copying
+# (device -> host ran at ~2.4 GB/s on an H200: 16 MB is ~7 ms; 64 MB showed as 30 ms of queue).
 WRITE_BACK_BOUND_GPU = 1 << 30
-WRITE_BACK_CHUNK = 64 << 20
+WRITE_BACK_CHUNK = 16 << 20
 SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
+# A slow tier is restored from only when its estimate beats recomputing by this factor. A
+# restore from host memory varies more than a prefill (on an H200 the same 1 GB from RAM took
+# 0.82 and 1.19 s, recomputing it 0.68-0.88 s): within a fifth of each other the two are a
+# coin toss whose loss is larger on the restore's side, so such close calls recompute.
+RESTORE_MARGIN = 0.8
 # An SSD run at least this large is read ahead (`PrefixCache.prefetch`) while the engine goes on
 # decoding; smaller ones are read in `lookup`, where they stall the other streams only briefly.
 PREFETCH_MIN_BYTES = 16 << 20
@@ -598,13 +604,13 @@ class PrefixCache(PrefixCacheHooks):
         return held.to_block() if held is not None else None
 
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
-        """Restore from a tier (its measured bytes/s) only when that beats recomputing those
-        tokens on this device."""
+        """Restore from a tier (its measured bytes/s) only when that clearly beats recomputing
+        those tokens on this device (`RESTORE_MARGIN`)."""
         recompute_s = self.prefill.seconds(n_tokens)  # the restored tokens start at depth 0
         if recompute_s is None or rate.value is None or not self.bytes_per_token:
             return True  # no measurement yet: restoring is how we get one
         restore_s = n_tokens * self.bytes_per_token / rate.value
-        return restore_s < recompute_s
+        return restore_s < RESTORE_MARGIN * recompute_s
 
     def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
         """The stored block after `parent` sharing the longest token prefix with `rest`.

@@ -89,6 +89,22 @@ def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) 
     again.tiers.ssd.close()
 
 
+def test_a_restore_barely_faster_than_recomputing_recomputes(tmp_path: Path) -> None:
+    # host-memory and disk restores vary more than prefills: within RESTORE_MARGIN of the
+    # recompute estimate the run is recomputed, clearly faster it is restored
+    tokens = list(range(10, 10 + 8 * B + 1))
+    stored(tmp_path, tokens)
+    for restore_s, expected in ((0.9, 0), (0.7, 8 * B)):
+        cache = open_cache(tmp_path)
+        cache.bytes_per_token = LAYERS * 2 * (2 * 8 * 4)  # keys and values, 2 heads x 8 float32s
+        cache.prefill.observe(8 * B, 0, 1.0)  # recomputing the run: 1 s
+        cache.ssd_rate.observe(8 * B * cache.bytes_per_token, restore_s)
+        _, n = cache.lookup(tokens)
+        assert n == expected, restore_s
+        assert cache.tiers.counters.skipped_restores == (expected == 0)
+        cache.tiers.ssd.close()
+
+
 def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
     from omlx.cache.prefix_cache import PrefillCost
 
