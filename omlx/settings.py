@@ -68,7 +68,7 @@ SETTINGS: tuple[Setting, ...] = (
         "prefill_step_size",
         int,
         512,
-        "Prompt tokens prefilled per request per engine step (up to 8 requests at once), so running streams keep flowing. On a CUDA GPU keep it a multiple of 256, so that MLX reuses its prefill attention graphs.",
+        "Prompt tokens prefilled per request per engine step (up to 8 requests at once), so running streams keep flowing. On a CUDA GPU keep it a multiple of the cache block size, so that MLX reuses its prefill attention graphs.",
         minimum=16,
     ),
     Setting(

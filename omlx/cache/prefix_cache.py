@@ -289,7 +289,7 @@ class PrefixCache(PrefixCacheHooks):
     def __init__(self, store: CacheStore, fingerprint: str, num_layers: int, model_id: str):
         self.tiers = store
         self.fp = fingerprint
-        self.B = store.block_size
+        self.B = self.block_size = store.block_size
         self.num_layers = num_layers
         self.model_id = model_id
         self.prefill = PrefillCost()  # recompute cost on this device, by length and depth

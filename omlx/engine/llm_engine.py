@@ -47,6 +47,8 @@ log = logging.getLogger("omlx.engine")
 class PrefixCacheHooks:
     """What the engine asks of a prefix cache; the default caches nothing."""
 
+    block_size = 0  # tokens per stored block (0: none)
+
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         return None, 0
 
@@ -162,13 +164,9 @@ class LLMEngine:
         # newcomers to a busy engine prefilled here rather than by the BatchGenerator (None:
         # on a CUDA GPU, where mlx-lm's prefill empties MLX's buffer cache at a high price)
         self.own_prefill = discrete_gpu() if own_prefill is None else own_prefill
-        # prefill shapes on a grid (solo.py says why; None: on a CUDA GPU, where the engine
-        # prefills every prompt itself)
-        if prefill_quantum is None:
-            prefill_quantum = PREFILL_QUANTUM if self.own_prefill else 0
-        # chunks end on multiples of the step: off the grid unless it is a multiple too
-        self.prefill_quantum = prefill_quantum if prefill_quantum and prefill_step_size % prefill_quantum == 0 else 0
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
+        self._quantum_asked = prefill_quantum
+        self.prefill_quantum = self._prefill_grid()
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.memory_bytes = 0  # measured on the engine thread after loading
@@ -277,6 +275,16 @@ class LLMEngine:
         """Requests submitted or leased and not finished: such an engine is never evicted."""
         return self._outstanding > 0 or self.leases > 0
 
+    def _prefill_grid(self) -> int:
+        """Prefill chunks start and end on multiples of this (solo.py says why; 0: anywhere).
+        By default on a CUDA GPU, where the engine prefills every prompt itself: the prefix
+        cache's block size (a restored prefix is then used in whole blocks), else 256. Chunks
+        end on multiples of the step too, so it must be one of them."""
+        q = self._quantum_asked
+        if q is None:
+            q = (self.prefix_cache.block_size or PREFILL_QUANTUM) if self.own_prefill else 0
+        return q if q and self.prefill_step_size % q == 0 else 0
+
     def _load(self) -> bool:
         try:
             loaded, self.memory_bytes = load_measured(self._loader)
@@ -287,6 +295,7 @@ class LLMEngine:
             self.model_vocab_size = getattr(args, "vocab_size", None) or len(loaded.tokenizer)
             if self._prefix_cache_factory is not None:
                 self.prefix_cache = self._prefix_cache_factory(loaded)
+                self.prefill_quantum = self._prefill_grid()
             # One stream per engine, for everything it computes (steps, restores, stores,
             # scoring): mlx-lm's default `generation_stream` is shared by every BatchGenerator in
             # the process, and mixing streams within an engine made MLX's CUDA backend hang.

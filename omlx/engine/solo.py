@@ -16,8 +16,8 @@ On a CUDA GPU, prefill attention runs a cuDNN graph that MLX builds per exact (q
 shape, 40-75 ms each on an H200 (as long as prefilling 8,000 tokens of a 1B model), kept in
 an LRU. A server meets a new prompt length with nearly every request, so with the `quantum`
 every chunk's shape comes from a small grid that repeats: chunks start at a multiple of it
-(`align_cached`) and the last one is padded up to one, its padding trimmed from the cache
-after. Padding sits after the real tokens, so under the causal mask it changes none of their
+(`align_cached`: a restored prefix is used in whole blocks of the prefix cache, the engine's
+quantum) and the last one is padded up to one, its padding trimmed from the cache after. Padding sits after the real tokens, so under the causal mask it changes none of their
 keys, values or logits.
 """
 
@@ -35,9 +35,9 @@ from omlx.engine.buffers import trim_buffer_cache
 Sampler = Callable[[mx.array], mx.array]
 # the most a batched chunk copies of its members' cached keys and values (`feed_chunks_together`)
 BATCH_COPY_LIMIT = 256 << 20
-# prefill chunks start and end on multiples of this on a CUDA GPU (mlx-lm's `KVCache` grows in
-# steps of 256 too); measured on an H200, prompts of new lengths then prefilled as fast as a
-# repeated length (0.047 vs 0.09-0.126 s for ~8,000 tokens of a 1B model)
+# prefill chunks start and end on multiples of this on a CUDA GPU when no prefix cache sets it
+# (mlx-lm's `KVCache` grows in steps of 256 too); measured on an H200, prompts of new lengths
+# then prefilled as fast as a repeated length (0.047 vs 0.09-0.126 s for ~8,000 tokens of a 1B)
 PREFILL_QUANTUM = 256
 
 

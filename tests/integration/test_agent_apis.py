@@ -164,7 +164,10 @@ def test_head_root_probe(tiny_server):
 
 
 def test_responses_non_streaming_and_chaining(oai):
-    first = oai.responses.create(model=MODEL, input="remember the word fox", max_output_tokens=8, temperature=0)
+    # longer than a cache block: on a CUDA GPU a cached prefix is used in whole blocks
+    story = "Some context first. " + "The quick brown fox jumps over the lazy dog. " * 40
+    first = oai.responses.create(model=MODEL, input=story + "Remember the word fox.", max_output_tokens=8,
+                                 temperature=0)  # fmt: skip
     assert first.status in ("completed", "incomplete")
     assert first.output[0].type == "message"
     assert first.usage.input_tokens > 0 and first.usage.output_tokens >= 1

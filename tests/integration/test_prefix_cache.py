@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -10,12 +11,19 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omlx.platform_info import discrete_gpu
 from tests.support.server import ServerProcess
 from tests.support.tiny_model import build_tiny_llama
 
 MODEL = "tiny-llama"
 BLOCK = 64
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i}: answer plainly." for i in range(40))
+
+
+def usable(n: int) -> int:
+    """Of `n` cached tokens, those a server uses: on a CUDA GPU whole blocks only, so that
+    prefill chunks stay on a grid of shapes MLX has built (omlx/engine/solo.py)."""
+    return n - n % BLOCK if discrete_gpu() else n
 
 
 def start(home: Path, model_dir: Path, *extra: str) -> ServerProcess:
@@ -58,7 +66,7 @@ def test_hit_equals_miss_and_restart_hit_equals_miss(tiny_model_dir, tmp_path):
         assert miss["cached"] == 0 and miss["prompt"] > 4 * BLOCK
         hit = ask(server, "What is the capital of France?")
         assert hit["text"] == miss["text"]
-        assert hit["cached"] == miss["prompt"] - 1  # full blocks + the stored tail; one token recomputed
+        assert hit["cached"] == usable(miss["prompt"] - 1)  # full blocks + the stored tail; one token recomputed
         s = stats(server)
         assert s["hits"] >= 1 and s["hot"]["blocks"] > 0
     finally:
@@ -67,7 +75,7 @@ def test_hit_equals_miss_and_restart_hit_equals_miss(tiny_model_dir, tmp_path):
     try:
         again = ask(server, "What is the capital of France?")
         assert again["text"] == miss["text"]
-        assert again["cached"] == miss["prompt"] - 1
+        assert again["cached"] == usable(miss["prompt"] - 1)
         assert stats(server)["ssd"]["hits"] > 0
     finally:
         server.stop()
@@ -112,9 +120,13 @@ def test_multi_turn_conversation_reuses_the_previous_turn_including_its_tail(tin
             cached.append((r["usage"]["prompt_tokens"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
             messages.append({"role": "assistant", "content": answer})
         # each later turn restores more than whole blocks: the previous turn's tail is reused too
-        for _, hit in cached[1:]:
-            assert hit > 0
-        assert any(hit % BLOCK for _, hit in cached[1:])
+        # (on a CUDA GPU whole blocks only, up to the previous turn's prompt at least)
+        for (before, _), (_, hit) in itertools.pairwise(cached):
+            assert hit >= usable(before) > 0
+        if discrete_gpu():
+            assert all(hit % BLOCK == 0 for _, hit in cached[1:])
+        else:
+            assert any(hit % BLOCK for _, hit in cached[1:])
     finally:
         server.stop()
 
@@ -152,9 +164,15 @@ def test_blocks_evicted_from_the_hot_tier_are_restored_from_the_ram_tier(tiny_mo
         again = ask(server, "question one")
         after = stats(server)
         assert again["text"] == first["text"]  # a hit restored from RAM equals the miss
+        assert after["ssd"] == {"enabled": False}
+        if discrete_gpu() and after["skipped_restores"] > before["skipped_restores"]:
+            # on a GPU this tiny model recomputes its ~760 tokens in a few ms, faster than
+            # they come back from host memory (the restore-or-recompute decision, covered by
+            # tests/unit/test_restore_decision.py); at most the hot tier's blocks were used
+            assert again["cached"] <= 2 * BLOCK
+            return
         assert again["cached"] >= BLOCK * (first["prompt"] // BLOCK) - BLOCK
         assert after["warm"]["hits"] > before["warm"]["hits"]
-        assert after["ssd"] == {"enabled": False}
     finally:
         server.stop()
 
@@ -353,7 +371,7 @@ def test_template_that_drops_reasoning_keeps_hits_up_to_the_first_differing_toke
         think_tokens = len(Tokenizer.from_file(str(path / "tokenizer.json")).encode("<think>\n").ids)
         for turn in range(1, 4):
             # everything of the previous prompt except its trailing "<think>\n" is reused
-            assert hits[turn] >= prompts[turn - 1] - think_tokens, (prompts, hits)
+            assert hits[turn] >= usable(prompts[turn - 1] - think_tokens), (prompts, hits)
         rate = sum(hits[1:]) / sum(prompts[1:])
         print(f"multi-turn hit rate with a reasoning-dropping template: {rate:.1%} (prompts {prompts}, hits {hits})")
         assert rate > 0.8

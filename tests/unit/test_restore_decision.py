@@ -20,6 +20,7 @@ from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.prefix_cache import CacheStore, PrefixCache
 from omlx.cache.ssd_tier import SSDTier
+from omlx.platform_info import discrete_gpu
 
 B = 16
 FP = "f" * 64
@@ -538,15 +539,16 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
         window = [0.0, 0.0]
 
         async def background() -> None:
-            last = None
-            async for _ev in e2.generate(request("bg", [9 + (i * 11) % 390 for i in range(20)], 1500)):
-                now = time.perf_counter()
-                if last is not None and window[0] and not window[1]:
-                    gaps.append(now - last)
-                last = now
-                if window[1]:
-                    return
-            raise AssertionError("the other stream ended before the restore did: nothing measured")
+            for k in range(20):  # one stream after another until the restore is over (a GPU decodes fast)
+                last = None
+                async for _ev in e2.generate(request(f"bg{k}", [9 + (i * 11) % 390 for i in range(20)], 1500)):
+                    now = time.perf_counter()
+                    if last is not None and window[0] and not window[1]:
+                        gaps.append(now - last)
+                    last = now
+                    if window[1]:
+                        return
+            raise AssertionError("the other streams ended before the restore did: nothing measured")
 
         bg = asyncio.create_task(background())
         await asyncio.sleep(0.3)  # decoding
@@ -686,7 +688,9 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         (first, _), (again, cached) = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert again == first and cached == len(prompt) - 1  # all but the last token, restored ahead
+    # all but the last token, restored ahead (on a CUDA GPU in whole blocks: solo.py's grid)
+    usable = len(prompt) - 1 - ((len(prompt) - 1) % B if discrete_gpu() else 0)
+    assert again == first and cached == usable
     assert advanced.count(True) >= 11  # one block a loop
 
 

@@ -344,8 +344,8 @@ def test_chunks_of_one_shape_are_fed_as_one_batch(model_path: Path, fed_batches:
         assert s.fed == lone.fed and s.todo == lone.todo == prompt[-1:]
         for mine, theirs in zip(s.cache, lone.cache, strict=True):
             assert mine.offset == theirs.offset == len(prompt) - 1
-            assert mx.allclose(mine.state[0][..., : mine.offset, :], theirs.state[0][..., : theirs.offset, :], atol=1e-4)
-            assert mx.allclose(mine.state[1][..., : mine.offset, :], theirs.state[1][..., : theirs.offset, :], atol=1e-4)
+            assert mx.allclose(mine.state[0][..., : mine.offset, :], theirs.state[0][..., : theirs.offset, :], atol=LOGPROB_TOLERANCE)
+            assert mx.allclose(mine.state[1][..., : mine.offset, :], theirs.state[1][..., : theirs.offset, :], atol=LOGPROB_TOLERANCE)
     assert together[1].context is not None and together[1].context.tokens.tolist() == prompts[1][:-1]
 
     # a last chunk after cached tokens is batched only while copying their caches is cheap
@@ -426,10 +426,10 @@ def test_last_chunk_is_padded_to_the_quantum_and_feeds_what_the_plain_one_does(m
     assert runs[32][0] == [(64, 0), (64, 64), (1, 99)]
     assert runs[32][1] == runs[0][1]
     for a, b in zip(runs[32][2], runs[0][2], strict=True):
-        assert mx.allclose(a, b, atol=1e-4)
+        assert mx.allclose(a, b, atol=LOGPROB_TOLERANCE)
     for padded, plain in zip(runs[32][3], runs[0][3], strict=True):
         assert padded.offset == plain.offset == 100 + 7
-        assert mx.allclose(padded.state[0][..., :107, :], plain.state[0][..., :107, :], atol=1e-4)
+        assert mx.allclose(padded.state[0][..., :107, :], plain.state[0][..., :107, :], atol=LOGPROB_TOLERANCE)
 
 
 def test_cached_depth_is_aligned_to_the_quantum_and_continues_as_before(model_path: Path) -> None:
@@ -456,7 +456,7 @@ def test_cached_depth_is_aligned_to_the_quantum_and_continues_as_before(model_pa
     fresh = SoloSequence(model, prompt, cache=None, cached=[], sampler=None, logits_processors=[],
                          prefill_step_size=64)  # fmt: skip
     (t1, l1), (t2, l2) = decode(seq, 6), decode(fresh, 6)
-    assert t1 == t2 and all(mx.allclose(a, b, atol=1e-4) for a, b in zip(l1, l2, strict=True))
+    assert t1 == t2 and all(mx.allclose(a, b, atol=LOGPROB_TOLERANCE) for a, b in zip(l1, l2, strict=True))
 
     assert align_cached(prefilled(20), 20, 32) == (None, 0)  # less than one quantum: recompute it all
     on_grid = prefilled(64)
