@@ -71,6 +71,7 @@ def test_hit_equals_miss_and_restart_hit_equals_miss(tiny_model_dir, tmp_path):
         assert s["hits"] >= 1 and s["hot"]["blocks"] > 0
     finally:
         server.stop()
+    _make_recompute_look_slow(home)  # so that a GPU restores rather than recomputes
     server = start(home, tiny_model_dir)
     try:
         again = ask(server, "What is the capital of France?")
