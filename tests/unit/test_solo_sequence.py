@@ -62,6 +62,18 @@ async def run_one(engine: LLMEngine, req: GenerationRequest, started: asyncio.Ev
     return out
 
 
+async def together(engine: LLMEngine, reqs: list[GenerationRequest]) -> list[dict]:
+    """`reqs` run at once, all in the engine's inbox before it takes any of them."""
+    gate = threading.Event()  # holds the engine thread until all are in its inbox
+    held = asyncio.ensure_future(engine.call(gate.wait))
+    await asyncio.sleep(0.05)
+    tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
+    await asyncio.sleep(0.05)
+    gate.set()
+    await held
+    return await asyncio.gather(*tasks)
+
+
 def alone(
     model_path: Path, reqs: list[GenerationRequest], *, solo: bool, own_prefill: bool | None = None
 ) -> list[dict]:
@@ -365,14 +377,7 @@ def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: 
     async def main() -> list[dict]:
         await engine.wait_ready()
         fed_batches.clear()  # the warm-up's
-        gate = threading.Event()  # holds the engine thread until all three are in its inbox
-        held = asyncio.ensure_future(engine.call(gate.wait))
-        await asyncio.sleep(0.05)
-        tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
-        await asyncio.sleep(0.05)
-        gate.set()
-        await held
-        return await asyncio.gather(*tasks)
+        return await together(engine, reqs)
 
     try:
         got = asyncio.run(main())
@@ -482,14 +487,7 @@ def test_engine_prefills_on_the_grid_and_answers_as_mlx_lm_does(model_path: Path
         spy = ShapeSpy(engine.model)
         engine.model = spy
         fed_batches.clear()
-        gate = threading.Event()  # all three reach the engine together
-        held = asyncio.ensure_future(engine.call(gate.wait))
-        await asyncio.sleep(0.05)
-        tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
-        await asyncio.sleep(0.05)
-        gate.set()
-        await held
-        got = await asyncio.gather(*tasks)
+        got = await together(engine, reqs)
         engine.model = spy.model
         return got, spy.calls
 
