@@ -52,8 +52,9 @@ MAX_SIBLINGS = 16
 MIN_TAIL_ONLY_TOKENS = 32
 # Blocks that may wait for the SSD in device memory while a CUDA engine is busy (beyond it,
 # the oldest are handed over between steps); at most WRITE_BACK_CHUNK bytes per engine loop,
-# so a step, or a request arriving at an idle engine, waits for at most that much copying
-# (device -> host ran at ~2.4 GB/s on an H200: 16 MB is ~7 ms; 64 MB showed as 30 ms of queue).
+# so a step, or a request arriving at an idle engine, waits for at most that much copying, or
+# one block where a block is larger (device -> host ran at ~2.4 GB/s on an H200: 16 MB is
+# ~7 ms, 64 MB showed as 30 ms of queue; a 256-token block of an 8B model is 32 MB).
 WRITE_BACK_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 16 << 20
 SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
@@ -377,12 +378,17 @@ class PrefixCache(PrefixCacheHooks):
         # after a skipped restore the tail, too, only comes from device memory: the token-level
         # search would otherwise fetch from the tier just judged slower than recomputing
         tail, usable = None, 0
-        if limit - n > 0:  # else no tail could be used: none is fetched from a slower tier
+        # no tail either when it could not reach the engine's prefill grid (a tail is shorter
+        # than a block): the engine would drop it after its fetch, stalling every stream
+        reach = self.grid - n % self.grid if self.grid else 1
+        if limit - n >= reach and reach < self.B:  # else none is fetched, from any tier
             tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:], hot_only=skipped)
         if tail is not None:
             # an exact repeat finds the whole prompt's tail: use all but the last token
             use = min(usable, limit - n)
-            if blocks or use >= MIN_TAIL_ONLY_TOKENS:
+            if self.grid:
+                use -= (n + use) % self.grid
+            if use > 0 and (blocks or use >= MIN_TAIL_ONLY_TOKENS):
                 parts.append((tail, use))
                 n += use
         if not parts:

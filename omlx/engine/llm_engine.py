@@ -48,6 +48,9 @@ class PrefixCacheHooks:
     """What the engine asks of a prefix cache; the default caches nothing."""
 
     block_size = 0  # tokens per stored block (0: none)
+    # the engine's prefill grid (solo.py): a restored prefix is used only up to a multiple of
+    # it, so `lookup` need not fetch what the engine would drop
+    grid = 0
 
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         return None, 0
@@ -295,7 +298,7 @@ class LLMEngine:
             self.model_vocab_size = getattr(args, "vocab_size", None) or len(loaded.tokenizer)
             if self._prefix_cache_factory is not None:
                 self.prefix_cache = self._prefix_cache_factory(loaded)
-                self.prefill_quantum = self._prefill_grid()
+                self.prefill_quantum = self.prefix_cache.grid = self._prefill_grid()
             # One stream per engine, for everything it computes (steps, restores, stores,
             # scoring): mlx-lm's default `generation_stream` is shared by every BatchGenerator in
             # the process, and mixing streams within an engine made MLX's CUDA backend hang.
@@ -698,9 +701,10 @@ class LLMEngine:
             self._store(state.solo.fed[: state.prompt_len], state.solo.cache, final=False)
 
     def _observe_prefill(self, state: _Running) -> None:
-        self.prefix_cache.observe_prefill(
-            state.prompt_len - state.cached_tokens, state.cached_tokens, time.perf_counter() - state.prefill_start
-        )
+        computed = state.prompt_len - state.cached_tokens
+        if self.prefill_quantum:  # the last chunk's padding was computed too
+            computed = -(-(computed - 1) // self.prefill_quantum) * self.prefill_quantum + 1
+        self.prefix_cache.observe_prefill(computed, state.cached_tokens, time.perf_counter() - state.prefill_start)
 
     def _solo_token(self, state: _Running, *, launch: bool) -> int:
         """Take the solo sequence's pending token through the same path as a batch's."""

@@ -47,14 +47,19 @@ def plain_kv(cache: list[Any]) -> bool:
 
 
 def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[list[Any] | None, int]:
-    """`cache` trimmed to the largest multiple of `quantum` tokens it holds (at most
-    quantum - 1 tokens to recompute, instead of attention shapes nobody has built)."""
+    """`cache` cut to the largest multiple of `quantum` tokens it holds (at most quantum - 1
+    tokens to recompute, instead of attention shapes nobody has built). Cut as views ending
+    at the new depth, so the next write goes to a new buffer: the arrays may be a stored
+    block's own, which a write into spare capacity past the depth would change."""
     extra = cached % quantum if quantum and cache is not None else 0
     if not extra or not plain_kv(cache):
         return cache, cached
+    if cached <= extra:
+        return None, 0
+    keep = cached - extra
     for c in cache:
-        c.trim(extra)
-    return (cache, cached - extra) if cached > extra else (None, 0)
+        c.keys, c.values, c.offset = c.keys[..., :keep, :], c.values[..., :keep, :], keep
+    return cache, keep
 
 
 class SoloSequence:

@@ -106,6 +106,19 @@ def test_a_restore_barely_faster_than_recomputing_recomputes(tmp_path: Path) -> 
         cache.tiers.ssd.close()
 
 
+def test_a_tail_the_engine_would_drop_is_not_fetched(tmp_path: Path) -> None:
+    # on the engine's prefill grid (a CUDA GPU: whole blocks) a partial block is no use, so
+    # `lookup` does not read it from the SSD (on the engine thread) only for it to be dropped
+    tokens = list(range(10, 10 + 2 * B + 10))
+    stored(tmp_path, tokens)
+    for grid, expected, hot_blocks in ((0, 2 * B + 10, 3), (B, 2 * B, 2)):
+        cache = open_cache(tmp_path)
+        cache.grid = grid
+        _, n = cache.lookup(tokens + [7])
+        assert (n, cache.tiers.hot.stats()["blocks"]) == (expected, hot_blocks), grid
+        cache.tiers.ssd.close()
+
+
 def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
     from omlx.cache.prefix_cache import PrefillCost
 

@@ -454,7 +454,11 @@ def test_cached_depth_is_aligned_to_the_quantum_and_continues_as_before(model_pa
         seq.wait()
         return seq.cache
 
-    cache, cached = align_cached(prefilled(100), 100, 32)
+    held = prefilled(100)
+    shared = [c.keys for c in held]  # the very arrays, as a stored block's own would be
+    before = [mx.array(k) + 0 for k in shared]
+    mx.eval(before)
+    cache, cached = align_cached(held, 100, 32)
     assert cached == 96 and all(c.offset == 96 for c in cache)
     seq = SoloSequence(model, prompt[96:], cache=cache, cached=prompt[:96], sampler=None, logits_processors=[],
                        prefill_step_size=64, quantum=32)  # fmt: skip
@@ -462,6 +466,8 @@ def test_cached_depth_is_aligned_to_the_quantum_and_continues_as_before(model_pa
                          prefill_step_size=64)  # fmt: skip
     (t1, l1), (t2, l2) = decode(seq, 6), decode(fresh, 6)
     assert t1 == t2 and all(mx.allclose(a, b, atol=LOGPROB_TOLERANCE) for a, b in zip(l1, l2, strict=True))
+    # the writes after the cut went to new buffers, not into the arrays the cache came from
+    assert all(mx.array_equal(k, b) for k, b in zip(shared, before, strict=True))
 
     assert align_cached(prefilled(20), 20, 32) == (None, 0)  # less than one quantum: recompute it all
     on_grid = prefilled(64)
@@ -500,3 +506,20 @@ def test_engine_prefills_on_the_grid_and_answers_as_mlx_lm_does(model_path: Path
     chunks = [(n, at) for n, at in calls if n > 1]
     assert chunks and all(n % 32 == 0 and at % 32 == 0 for n, at in chunks), chunks
     assert fed_batches[:2] == [3, 2]  # 64 of each; then x's and y's last 5 (padded to 32) together
+
+
+def test_a_padded_prefill_is_timed_as_the_tokens_it_computed(model_path: Path) -> None:
+    # 70 prompt tokens on a grid of 32: 69 fed in chunks padded to 96, the last alone: 97
+    engine = make_engine(model_path, solo=True, prefill_step_size=64, own_prefill=True, prefill_quantum=32)
+    seen: list[tuple[int, int]] = []
+
+    async def main() -> dict:
+        await engine.wait_ready()
+        engine.prefix_cache.observe_prefill = lambda n, depth, seconds: seen.append((n, depth))
+        return await run_one(engine, request("t", [3 + (i * 13) % 390 for i in range(70)], 4))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert seen == [(97, 0)]
