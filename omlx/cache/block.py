@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = [
     "CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "checksum_matches", "dtype_name",
-    "from_host", "host_view", "to_host",
+    "from_host", "host_view", "packed", "to_host",
 ]
 
 # name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
@@ -70,7 +70,7 @@ class HostBlock:
         keep a block after its device arrays are gone; the SSD writer only needs a view."""
         host = to_host(block.tensors)
         if copy:
-            host = {name: (dt, shape, data.copy()) for name, (dt, shape, data) in host.items()}
+            host = packed(host)
         return cls(block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host)
 
     def to_block(self) -> CacheBlock:
@@ -115,15 +115,62 @@ def to_host(tensors: Mapping[str, mx.array]) -> HostTensors:
     }
 
 
-def from_host(host: HostTensors) -> dict[str, mx.array]:
-    """MLX arrays from host bytes (the inverse of `to_host`; engine thread)."""
-    out = {}
+def packed(host: HostTensors) -> HostTensors:
+    """A copy of `host` whose tensors are consecutive views of one buffer (as a block read
+    from the SSD already is): `from_host` then makes one MLX array of it, not one per tensor."""
+    buffer = np.empty(sum(data.nbytes for _, _, data in host.values()), dtype=np.uint8)
+    out, at = {}, 0
     for name, (dt, shape, data) in host.items():
-        if dt == "bfloat16":
-            out[name] = mx.array(data.view(np.uint16).reshape(shape)).view(mx.bfloat16)
-        else:
-            out[name] = mx.array(data.view(np.dtype(dt)).reshape(shape))
+        view = buffer[at : at + data.nbytes]
+        view[:] = data
+        out[name] = (dt, shape, view)
+        at += data.nbytes
     return out
+
+
+def from_host(host: HostTensors) -> dict[str, mx.array]:
+    """MLX arrays from host bytes (the inverse of `to_host`; engine thread).
+
+    Tensors that are views of one host buffer (a block packed for the RAM tier, or read from
+    one SSD file) become views of one MLX array: on an H200, 1 GB of KV as 4,000 arrays (one
+    per block, layer and keys/values) took 0.85 s to reach the GPU, as 32 arrays 0.25-0.46 s."""
+    span = _one_buffer(host)
+    if span is None:
+        out = {}
+        for name, (dt, shape, data) in host.items():
+            if dt == "bfloat16":
+                out[name] = mx.array(data.view(np.uint16).reshape(shape)).view(mx.bfloat16)
+            else:
+                out[name] = mx.array(data.view(np.dtype(dt)).reshape(shape))
+        return out
+    flat, starts = span
+    whole = mx.array(flat)
+    return {
+        name: whole[a : a + data.nbytes].view(getattr(mx, dt)).reshape(shape)
+        for (name, (dt, shape, data)), a in zip(host.items(), starts, strict=True)
+    }
+
+
+def _one_buffer(host: HostTensors) -> tuple[np.ndarray, list[int]] | None:
+    """(the bytes spanning all of `host`'s tensors, each tensor's offset in them) when they all
+    lie in one host buffer, each at an offset its dtype's size divides; else None."""
+    if len(host) < 2:
+        return None
+    datas = [data for _, _, data in host.values()]
+    base = datas[0].base
+    if base is None or any(d.base is not base or not d.flags.c_contiguous for d in datas):
+        return None
+    addresses = [d.__array_interface__["data"][0] for d in datas]
+    lo = min(addresses)
+    hi = max(a + d.nbytes for a, d in zip(addresses, datas, strict=True))
+    starts = [a - lo for a in addresses]
+    itemsizes = [2 if dt == "bfloat16" else np.dtype(dt).itemsize for dt, _, _ in host.values()]
+    if any(start % size for start, size in zip(starts, itemsizes, strict=True)):
+        return None
+    origin = base.__array_interface__["data"][0] if isinstance(base, np.ndarray) else None
+    if origin is None or base.ndim != 1 or base.dtype != np.uint8:
+        return None
+    return base[lo - origin : hi - origin], starts
 
 
 CRC_PREFIX = "crc32:"

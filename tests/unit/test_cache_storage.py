@@ -212,6 +212,49 @@ def test_weights_digest_change_sensitive(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- checksums
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32])
+def test_a_block_kept_in_ram_is_one_buffer_and_one_array_on_the_way_back(dtype, monkeypatch) -> None:
+    # the RAM tier's copy packs a block's tensors into one host buffer; back in MLX they are
+    # views of a single array (one host -> device copy per block, not one per tensor)
+    block = make_block(3, layers=3, dtype=dtype)
+    host = HostBlock.of(block, copy=True)
+    datas = [data for _, _, data in host.host.values()]
+    assert len({id(d.base) for d in datas}) == 1 and datas[0].base.nbytes == host.nbytes
+    made = []
+    real = mx.array
+    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
+    back = host.to_block()
+    monkeypatch.undo()
+    assert len(made) == 1 and same_tensors(back.tensors, block.tensors)
+
+
+def test_tensors_of_one_buffer_at_odd_offsets_come_back_one_by_one() -> None:
+    from omlx.cache.block import from_host
+
+    buffer = np.arange(3 + 16, dtype=np.uint8)
+    host = {"a": ("uint8", (3,), buffer[:3]), "b": ("float32", (4,), buffer[3:19])}  # b at offset 3
+    back = from_host(host)
+    assert np.array_equal(np.array(back["a"]), buffer[:3])
+    assert np.array_equal(np.array(back["b"]), buffer[3:19].view(np.float32))
+
+
+def test_a_block_read_from_the_ssd_comes_back_as_one_array(tmp_path: Path, monkeypatch) -> None:
+    tier = open_tier(tmp_path)
+    block = make_block(5)
+    tier.put(block)
+    tier.flush()
+    read = tier.get_many([block.key], FP)
+    tier.close()
+    assert read and read[0] is not None and same_tensors(read[0].tensors, block.tensors)
+    host, _ = SSDTier._load(tier, next(tmp_path.rglob("*.safetensors")), block.key, FP)
+    made = []
+    real = mx.array
+    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
+    back = host.to_block()
+    monkeypatch.undo()
+    assert len(made) == 1 and same_tensors(back.tensors, block.tensors)
+
+
 def test_checksum_bf16_and_sensitivity() -> None:
     b = make_block(1)
     c = checksum(b.tensors)
@@ -804,8 +847,11 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
     for name, t in block.tensors.items():
         assert back.tensors[name].dtype == t.dtype
         assert mx.array_equal(back.tensors[name], t).item()
-    # a copy owns its bytes: nothing of the MLX arrays is kept alive through it
-    assert all(data.flags.owndata for _, _, data in held.host.values())
+    # a copy owns its bytes (one numpy buffer for the block): nothing of the MLX arrays is kept
+    # alive through it
+    owners = {id(data if data.base is None else data.base): data if data.base is None else data.base
+              for _, _, data in held.host.values()}  # fmt: skip
+    assert len(owners) == 1 and all(isinstance(o, np.ndarray) and o.flags.owndata for o in owners.values())
     assert (held.key, held.parent, held.token_count) == (block.key, block.parent, block.token_count)
 
 
