@@ -115,6 +115,9 @@ def to_host(tensors: Mapping[str, mx.array]) -> HostTensors:
     }
 
 
+_MX_DTYPES = {"bool": mx.bool_}  # `dtype_name`s that are not the attribute's name
+
+
 def packed(host: HostTensors) -> HostTensors:
     """A copy of `host` whose tensors are consecutive views of one buffer (as a block read
     from the SSD already is): `from_host` then makes one MLX array of it, not one per tensor."""
@@ -146,7 +149,7 @@ def from_host(host: HostTensors) -> dict[str, mx.array]:
     flat, starts = span
     whole = mx.array(flat)
     return {
-        name: whole[a : a + data.nbytes].view(getattr(mx, dt)).reshape(shape)
+        name: whole[a : a + data.nbytes].view(_MX_DTYPES.get(dt) or getattr(mx, dt)).reshape(shape)
         for (name, (dt, shape, data)), a in zip(host.items(), starts, strict=True)
     }
 

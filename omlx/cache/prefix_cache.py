@@ -658,17 +658,17 @@ class PrefixCache(PrefixCacheHooks):
             return block
         if hot_only:
             return None
+        block = None
         if warm is not None and warm.contains(key):
             block = self._from_warm(key)
-            if block is not None:
-                hot.put(block)
-                return block
-        if ssd is not None and ssd.contains(key, self.fp):
+        if block is None and ssd is not None and ssd.contains(key, self.fp):
             block = ssd.get(key, self.fp)
-            if block is not None:
-                hot.put(block)
-                return block
-        return None
+        if block is not None:
+            # evaluated here, on this engine's thread: in the hot tier another model's thread
+            # may be the next to touch it (`CacheStore._left_device`)
+            mx.eval(list(block.tensors.values()))
+            hot.put(block)
+        return block
 
     def _remember_child(self, parent: str | None, key: str, tokens: list[int]) -> None:
         siblings = self._children.setdefault(parent or "", [])

@@ -212,7 +212,7 @@ def test_weights_digest_change_sensitive(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- checksums
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.bool_])
 def test_a_block_kept_in_ram_is_one_buffer_and_one_array_on_the_way_back(dtype, monkeypatch) -> None:
     # the RAM tier's copy packs a block's tensors into one host buffer; back in MLX they are
     # views of a single array (one host -> device copy per block, not one per tensor)
