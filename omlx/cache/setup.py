@@ -7,7 +7,7 @@ import shutil
 import psutil
 
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import CacheStore
+from omlx.cache.prefix_cache import WRITE_BACK_BOUND_GPU, CacheStore
 from omlx.cache.sizes import parse_size
 from omlx.cache.ssd_tier import SSDTier
 from omlx.errors import ConfigError
@@ -52,4 +52,7 @@ def build_cache_store(settings: Settings) -> CacheStore | None:
         except ValueError as exc:
             raise ConfigError(f"Invalid value for ssd_cache_max_size: {exc}") from None
         ssd = SSDTier(cache_dir, ssd_bytes)
-    return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size, warm=warm)
+    # on a discrete GPU, evicted blocks may wait in device memory for their RAM copy (as many
+    # bytes as may wait for the SSD writer)
+    demote_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
+    return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size, warm=warm, demote_bound=demote_bound)

@@ -746,3 +746,59 @@ def test_a_ram_run_larger_than_half_the_hot_tier_moves_only_its_start(monkeypatc
     cache.take(pending)
     caches, n = cache.lookup(tokens)  # the other five come from RAM here
     assert n == 8 * B and caches[0].offset == 8 * B
+
+
+BLOCK_BYTES = LAYERS * 2 * (2 * B * 8 * 4)  # keys and values of `kv`: 2 heads x 8 float32s a token
+
+
+def demoting(bound: int, *fingerprints: str) -> tuple[CacheStore, list[PrefixCache]]:
+    """A hot tier of two blocks, a RAM tier, evicted blocks waiting up to `bound` bytes."""
+    store = CacheStore(HotTier(2 * BLOCK_BYTES), None, B, warm=HotTier(1 << 30), demote_bound=bound)
+    return store, [PrefixCache(store, fp, LAYERS, "m") for fp in fingerprints or (FP,)]
+
+
+def test_blocks_the_hot_tier_lets_go_reach_ram_from_their_own_engine_when_it_is_idle(monkeypatch) -> None:
+    # copied at eviction, the device -> host copy held up the engine that stored (and every
+    # request behind it); now it waits in device memory for an idle loop, a chunk at a time
+    from omlx.cache import prefix_cache
+
+    store, (cache,) = demoting(1 << 20)
+    copies = counted_host_copies(monkeypatch)
+    tokens = list(range(10, 10 + 6 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    assert copies == [] and store.stats()["demoting_bytes"] == 4 * BLOCK_BYTES  # 4 of 6 let go
+    assert cache.write_back(idle=False) and copies == []  # a busy engine: not yet
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", BLOCK_BYTES)
+    assert cache.write_back(idle=True) and len(copies) == 1 and store.warm.stats()["blocks"] == 1
+    caches, n = cache.lookup(tokens)  # wanted again: taken back from device memory, not copied
+    assert n == 6 * B - 1 and len(copies) == 1  # all but the last token
+    assert mx.array_equal(caches[0].state[0][..., :n, :], kv(len(tokens))[0].state[0][..., :n, :])
+    while cache.write_back(idle=True):
+        pass
+    assert store.stats()["demoting_bytes"] == 0 and store.leaving(block_keys(FP, tokens, B)[0]) is False
+
+
+def test_past_the_bound_a_block_the_hot_tier_lets_go_is_copied_at_once(monkeypatch) -> None:
+    store, (cache,) = demoting(BLOCK_BYTES)
+    copies = counted_host_copies(monkeypatch)
+    tokens = list(range(10, 10 + 6 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    assert len(copies) == 3 and store.stats()["demoting_bytes"] == BLOCK_BYTES
+    assert not cache.write_back(idle=False)  # busy, but one block fills the bound: over half of it
+    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0
+
+
+def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unload(monkeypatch) -> None:
+    # another model's arrays are best read on its own engine's thread
+    store, (mine, theirs) = demoting(1 << 20, FP, "e" * 64)
+    copies = counted_host_copies(monkeypatch)
+    their_tokens = list(range(500, 500 + 2 * B))
+    theirs.store(their_tokens, kv(len(their_tokens)), final=True)
+    tokens = list(range(10, 10 + 2 * B))
+    mine.store(tokens, kv(len(tokens)), final=True)  # pushes their two blocks out
+    assert store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES
+    assert not mine.write_back(idle=True) and copies == []
+    theirs.close(timeout=1.0)  # an unload: what waits goes to RAM now
+    assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
+    assert {k for k, _ in copies} == set(block_keys("e" * 64, their_tokens, B))
+    store.clear()
