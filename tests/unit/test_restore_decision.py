@@ -802,3 +802,54 @@ def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unloa
     assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
     assert {k for k, _ in copies} == set(block_keys("e" * 64, their_tokens, B))
     store.clear()
+
+
+def test_a_block_waiting_for_both_the_ssd_and_ram_is_copied_out_once(tmp_path: Path, monkeypatch) -> None:
+    import collections
+
+    from omlx.cache import prefix_cache
+
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    store = CacheStore(HotTier(2 * BLOCK_BYTES), ssd, B, warm=HotTier(1 << 30), demote_bound=1 << 20)
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", BLOCK_BYTES)
+    copies = counted_host_copies(monkeypatch)
+    tokens = list(range(10, 10 + 6 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    _, n = cache.lookup(tokens)  # takes the let-go blocks back, lets others go again
+    assert n == 6 * B - 1
+
+    def consistent() -> bool:
+        return store.stats()["demoting_bytes"] == sum(b.nbytes for b, _ in store._leaving.values())
+
+    assert consistent()
+    while cache.write_back(idle=True):
+        assert consistent()
+    assert store.stats()["demoting_bytes"] == 0 and store.stats()["unwritten_blocks"] == 0
+    copied = collections.Counter(key for key, copy in copies if copy)
+    assert copied and max(copied.values()) == 1  # RAM and the SSD share one copy
+    ssd.close()
+
+
+def test_no_block_waits_for_ram_when_the_hot_tier_holds_none() -> None:
+    # a hot tier of 0 bytes (or smaller than a block) must not become a device cache of its own
+    assert CacheStore(HotTier(0), None, B, warm=HotTier(1 << 30), demote_bound=1 << 20).demote_bound == 0
+    store, (cache,) = demoting(1 << 20)
+    store.hot.set_max_bytes(BLOCK_BYTES // 2)
+    tokens = list(range(10, 10 + 2 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    assert store.stats()["demoting_bytes"] == 0 and store.warm.stats()["blocks"] >= 2
+
+
+def test_a_reloaded_model_keeps_demoting_while_its_old_engine_closes(monkeypatch) -> None:
+    store, (old,) = demoting(1 << 20)
+    new = PrefixCache(store, FP, LAYERS, "m")  # the reload, before the old engine's close
+    copies = counted_host_copies(monkeypatch)
+    tokens = list(range(10, 10 + 4 * B))
+    new.store(tokens, kv(len(tokens)), final=True)
+    old.close(timeout=1.0)
+    assert copies == [] and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES  # the new engine's to copy
+    while new.write_back(idle=True):
+        pass
+    assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
