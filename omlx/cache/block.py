@@ -120,15 +120,24 @@ _MX_DTYPES = {"bool": mx.bool_}  # `dtype_name`s that are not the attribute's na
 
 def packed(host: HostTensors) -> HostTensors:
     """A copy of `host` whose tensors are consecutive views of one buffer (as a block read
-    from the SSD already is): `from_host` then makes one MLX array of it, not one per tensor."""
-    buffer = np.empty(sum(data.nbytes for _, _, data in host.values()), dtype=np.uint8)
-    out, at = {}, 0
-    for name, (dt, shape, data) in host.items():
-        view = buffer[at : at + data.nbytes]
+    from the SSD already is), each at an offset its dtype's size divides: `from_host` then
+    makes one MLX array of it, not one per tensor."""
+    starts, at = [], 0
+    for dt, _, data in host.values():
+        at = -(-at // _itemsize(dt)) * _itemsize(dt)
+        starts.append(at)
+        at += data.nbytes
+    buffer = np.empty(at, dtype=np.uint8)
+    out = {}
+    for (name, (dt, shape, data)), a in zip(host.items(), starts, strict=True):
+        view = buffer[a : a + data.nbytes]
         view[:] = data
         out[name] = (dt, shape, view)
-        at += data.nbytes
     return out
+
+
+def _itemsize(dt: str) -> int:
+    return 2 if dt == "bfloat16" else np.dtype(dt).itemsize
 
 
 def from_host(host: HostTensors) -> dict[str, mx.array]:
@@ -167,7 +176,7 @@ def _one_buffer(host: HostTensors) -> tuple[np.ndarray, list[int]] | None:
     lo = min(addresses)
     hi = max(a + d.nbytes for a, d in zip(addresses, datas, strict=True))
     starts = [a - lo for a in addresses]
-    itemsizes = [2 if dt == "bfloat16" else np.dtype(dt).itemsize for dt, _, _ in host.values()]
+    itemsizes = [_itemsize(dt) for dt, _, _ in host.values()]
     if any(start % size for start, size in zip(starts, itemsizes, strict=True)):
         return None
     origin = base.__array_interface__["data"][0] if isinstance(base, np.ndarray) else None

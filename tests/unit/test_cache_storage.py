@@ -228,6 +228,20 @@ def test_a_block_kept_in_ram_is_one_buffer_and_one_array_on_the_way_back(dtype, 
     assert len(made) == 1 and same_tensors(back.tensors, block.tensors)
 
 
+def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -> None:
+    from omlx.cache.block import from_host, packed
+
+    host = {"a": ("uint8", (3,), np.arange(3, dtype=np.uint8)),
+            "b": ("float32", (4,), np.arange(4, dtype=np.float32).view(np.uint8))}  # fmt: skip
+    made = []
+    real = mx.array
+    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
+    back = from_host(packed(host))
+    monkeypatch.undo()
+    assert len(made) == 1
+    assert np.array_equal(np.array(back["a"]), np.arange(3)) and np.array_equal(np.array(back["b"]), np.arange(4))
+
+
 def test_tensors_of_one_buffer_at_odd_offsets_come_back_one_by_one() -> None:
     from omlx.cache.block import from_host
 
