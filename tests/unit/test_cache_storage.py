@@ -212,6 +212,15 @@ def test_weights_digest_change_sensitive(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- checksums
 
 
+def arrays_made(monkeypatch, fn):
+    """`fn()`'s result and how many MLX arrays it made from host memory."""
+    made = []
+    real = mx.array
+    with monkeypatch.context() as m:
+        m.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
+        return fn(), len(made)
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.bool_])
 def test_a_block_kept_in_ram_is_one_buffer_and_one_array_on_the_way_back(dtype, monkeypatch) -> None:
     # the RAM tier's copy packs a block's tensors into one host buffer; back in MLX they are
@@ -220,12 +229,8 @@ def test_a_block_kept_in_ram_is_one_buffer_and_one_array_on_the_way_back(dtype, 
     host = HostBlock.of(block, copy=True)
     datas = [data for _, _, data in host.host.values()]
     assert len({id(d.base) for d in datas}) == 1 and datas[0].base.nbytes == host.nbytes
-    made = []
-    real = mx.array
-    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
-    back = host.to_block()
-    monkeypatch.undo()
-    assert len(made) == 1 and same_tensors(back.tensors, block.tensors)
+    back, made = arrays_made(monkeypatch, host.to_block)
+    assert made == 1 and same_tensors(back.tensors, block.tensors)
 
 
 def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -> None:
@@ -233,12 +238,8 @@ def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -
 
     host = {"a": ("uint8", (3,), np.arange(3, dtype=np.uint8)),
             "b": ("float32", (4,), np.arange(4, dtype=np.float32).view(np.uint8))}  # fmt: skip
-    made = []
-    real = mx.array
-    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
-    back = from_host(packed(host))
-    monkeypatch.undo()
-    assert len(made) == 1
+    back, made = arrays_made(monkeypatch, lambda: from_host(packed(host)))
+    assert made == 1
     assert np.array_equal(np.array(back["a"]), np.arange(3)) and np.array_equal(np.array(back["b"]), np.arange(4))
 
 
@@ -261,12 +262,8 @@ def test_a_block_read_from_the_ssd_comes_back_as_one_array(tmp_path: Path, monke
     tier.close()
     assert read and read[0] is not None and same_tensors(read[0].tensors, block.tensors)
     host, _ = SSDTier._load(tier, next(tmp_path.rglob("*.safetensors")), block.key, FP)
-    made = []
-    real = mx.array
-    monkeypatch.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
-    back = host.to_block()
-    monkeypatch.undo()
-    assert len(made) == 1 and same_tensors(back.tensors, block.tensors)
+    back, made = arrays_made(monkeypatch, host.to_block)
+    assert made == 1 and same_tensors(back.tensors, block.tensors)
 
 
 def test_checksum_bf16_and_sensitivity() -> None:
