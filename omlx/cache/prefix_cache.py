@@ -229,7 +229,12 @@ class CacheStore:
                 del self._leaving[block.key]
                 self._leaving_bytes -= block.nbytes
             moved += block.nbytes
-            self._to_ram(block, generation)
+            if generation != self.generation:  # stored before a clear(): dropped
+                continue
+            host = self.to_ram(block)
+            follower = self._followers.get(fingerprint)
+            if follower is not None:
+                follower(block, host)
 
     def to_ram(self, block: CacheBlock) -> HostBlock:
         """`block`'s RAM copy, made now (engine thread) if RAM has none."""
@@ -238,14 +243,6 @@ class CacheStore:
             held = HostBlock.of(block, copy=True)
             self.warm.put(held)
         return held
-
-    def _to_ram(self, block: CacheBlock, generation: int) -> None:
-        if generation != self.generation:  # stored before a clear(): dropped
-            return
-        host = self.to_ram(block)
-        follower = self._followers.get(block.fingerprint)
-        if follower is not None:
-            follower(block, host)
 
     def disown(self, fingerprint: str) -> None:
         """At an engine's close: when it was the model's last, what waits is copied to RAM now
@@ -611,10 +608,7 @@ class PrefixCache(PrefixCacheHooks):
             return None
         limit = len(tokens) - 1
         keys = block_keys(self.fp, tokens, self.B)
-        with self._unwritten_lock:
-            unwritten = set(self._unwritten)
-        device = self.tiers.leaving
-        start = len(self._run_in(keys, 0, limit, lambda k: hot.contains(k) or k in unwritten or device(k)))
+        start = len(self._run_in(keys, 0, limit, self._in_device_memory))
         ram_run = self._run_in(keys, start, limit, warm.contains) if warm is not None else []
         if ram_run and not self._restore_pays(len(ram_run) * self.B, self.warm_rate):
             return None  # `lookup` recomputes from there: no SSD block is used either
@@ -668,7 +662,7 @@ class PrefixCache(PrefixCacheHooks):
             hot = self.tiers.hot
             while prefetched.ram_keys and size < RESTORE_CHUNK:
                 key = prefetched.ram_keys[-1]
-                if hot.contains(key) or key in self._unwritten or self.tiers.leaving(key):  # device memory
+                if self._in_device_memory(key):  # another request moved it
                     prefetched.ram_keys.pop()
                     continue
                 block = self._from_warm(key)
@@ -807,10 +801,7 @@ class PrefixCache(PrefixCacheHooks):
         self._drop_unwritten_if_cleared()
 
         def known(key: str) -> bool:
-            return (
-                hot.contains(key) or key in self._unwritten or self.tiers.leaving(key)
-                or (ssd is not None and ssd.contains(key, self.fp))
-            )  # fmt: skip
+            return self._in_device_memory(key) or (ssd is not None and ssd.contains(key, self.fp))
 
         new: list[tuple[str, str | None, int, int]] = []
         for i, key in enumerate(keys):
@@ -873,6 +864,10 @@ class PrefixCache(PrefixCacheHooks):
         with self._unwritten_lock:
             self._drop_unwritten_if_cleared()
             return self._unwritten.get(key)
+
+    def _in_device_memory(self, key: str) -> bool:
+        """Held in the hot tier, or let go by it but still waiting for the SSD or for RAM."""
+        return self.tiers.hot.contains(key) or key in self._unwritten or self.tiers.leaving(key)
 
     def _on_device(self, key: str) -> CacheBlock | None:
         """A block the hot tier let go that device memory still holds: one waiting for the SSD

@@ -17,8 +17,9 @@ shape, 40-75 ms each on an H200 (as long as prefilling 8,000 tokens of a 1B mode
 an LRU. A server meets a new prompt length with nearly every request, so with the `quantum`
 every chunk's shape comes from a small grid that repeats: chunks start at a multiple of it
 (`align_cached`: a restored prefix is used in whole blocks of the prefix cache, the engine's
-quantum) and the last one is padded up to one, its padding trimmed from the cache after. Padding sits after the real tokens, so under the causal mask it changes none of their
-keys, values or logits.
+quantum) and the last one is padded up to one, its padding trimmed from the cache after.
+Padding sits after the real tokens, so under the causal mask it changes none of their keys,
+values or logits.
 """
 
 from __future__ import annotations

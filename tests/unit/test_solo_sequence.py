@@ -74,6 +74,14 @@ async def together(engine: LLMEngine, reqs: list[GenerationRequest]) -> list[dic
     return await asyncio.gather(*tasks)
 
 
+def drive(engine: LLMEngine, main):
+    """Run the coroutine function `main` to its end, then shut the engine down."""
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 def alone(
     model_path: Path, reqs: list[GenerationRequest], *, solo: bool, own_prefill: bool | None = None
 ) -> list[dict]:
@@ -84,10 +92,7 @@ def alone(
         await engine.wait_ready()
         return [await run_one(engine, r) for r in reqs]
 
-    try:
-        return asyncio.run(main())
-    finally:
-        engine.shutdown()
+    return drive(engine, main)
 
 
 # On the CPU the paths agree to float32 rounding. On a CUDA GPU float32 matmuls may run as
@@ -198,10 +203,7 @@ def test_cancelled_solo_request_frees_the_engine(model_path: Path) -> None:
         await stream.aclose()  # the client went away after the first token
         return await run_one(engine, follow)
 
-    try:
-        got = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    got = drive(engine, main)
     assert_same(got, expected)
     assert engine.active_count == 0
 
@@ -235,10 +237,7 @@ def test_newcomers_are_prefilled_by_the_engine_and_join_the_batch(model_path: Pa
             await asyncio.sleep(0.01)
         return got
 
-    try:
-        got = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    got = drive(engine, main)
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
     assert seen and all(s == (0, 0) for s in seen), seen
@@ -379,10 +378,7 @@ def test_newcomers_of_one_length_join_the_batch_as_they_would_alone(model_path: 
         fed_batches.clear()  # the warm-up's
         return await together(engine, reqs)
 
-    try:
-        got = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    got = drive(engine, main)
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
     assert fed_batches[0] == 3  # the three arrived together: their chunks went as one batch
@@ -497,10 +493,7 @@ def test_engine_prefills_on_the_grid_and_answers_as_mlx_lm_does(model_path: Path
         engine.model = spy.model
         return got, spy.calls
 
-    try:
-        got, calls = asyncio.run(main())
-    finally:
-        engine.shutdown()
+    got, calls = drive(engine, main)
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
     chunks = [(n, at) for n, at in calls if n > 1]
@@ -518,8 +511,5 @@ def test_a_padded_prefill_is_timed_as_the_tokens_it_computed(model_path: Path) -
         engine.prefix_cache.observe_prefill = lambda n, depth, seconds: seen.append((n, depth))
         return await run_one(engine, request("t", [3 + (i * 13) % 390 for i in range(70)], 4))
 
-    try:
-        asyncio.run(main())
-    finally:
-        engine.shutdown()
+    drive(engine, main)
     assert seen == [(97, 0)]
