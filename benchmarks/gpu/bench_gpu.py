@@ -101,8 +101,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 PERF = time.perf_counter
 
 
+STUCK_AFTER = 180  # seconds without a log line: this process's stacks go to stderr
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    faulthandler.dump_traceback_later(STUCK_AFTER)  # re-armed: only a run that is stuck dumps
 
 
 # ----------------------------------------------------------------------------- models
@@ -780,7 +784,7 @@ def main() -> None:
         return
     global REQUEST_TIMEOUT
     REQUEST_TIMEOUT = args.request_timeout
-    faulthandler.dump_traceback_later(120, repeat=True)  # where a stuck run is stuck
+    faulthandler.dump_traceback_later(STUCK_AFTER)  # where a stuck run is stuck (`log` re-arms it)
     parts = set(args.parts.split(","))
     work = args.work_dir
     out_dir = args.out or (work / "out")

@@ -797,11 +797,18 @@ class PrefixCache(PrefixCacheHooks):
         n_tokens = min(len(tokens), cache[0].offset if cache else 0)
         tokens = tokens[:n_tokens]
         keys = block_keys(self.fp, tokens, self.B)
-        hot, ssd = self.tiers.hot, self.tiers.ssd
+        hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         self._drop_unwritten_if_cleared()
+        # A block the hot tier cannot hold would be made (a device copy per layer) only to go
+        # straight back to RAM: when RAM holds it, recomputing its tokens needs no new copy.
+        ram_is_enough = warm is not None and self.bytes_per_token * self.B > hot.max_bytes
 
         def known(key: str) -> bool:
-            return self._in_device_memory(key) or (ssd is not None and ssd.contains(key, self.fp))
+            return (
+                self._in_device_memory(key)
+                or (ram_is_enough and warm.contains(key))
+                or (ssd is not None and ssd.contains(key, self.fp))
+            )
 
         new: list[tuple[str, str | None, int, int]] = []
         for i, key in enumerate(keys):

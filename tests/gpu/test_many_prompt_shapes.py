@@ -40,31 +40,37 @@ def bf16_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def answered(models: Path, home: Path, check: str) -> list[int]:
-    """HTTP status of one completion per prompt length, with MLX's check set to `check`."""
+def answered(models: Path, home: Path, check: str) -> tuple[list[int], str]:
+    """HTTP status of one completion per prompt length, with MLX's check set to `check`, and
+    what went wrong (each failed request's answer, then the end of the server's log)."""
     env = {"MLX_CUDA_SDPA_CACHE_SIZE": str(LRU), "MLX_ENABLE_CACHE_THRASHING_CHECK": check}
     server = ServerProcess(home, ["--model-dir", str(models), "--model", "tiny-bf16", "--no-cache"], env=env)
     server.start()
     rng = random.Random(7)
-    statuses = []
+    statuses, failures = [], []
     try:
         for n in LENGTHS:
             body = {"model": "tiny-bf16", "prompt": [rng.randrange(3, 400) for _ in range(n)], "max_tokens": 2}
-            statuses.append(httpx.post(server.base_url + "/v1/completions", json=body, timeout=60).status_code)
+            r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+            statuses.append(r.status_code)
+            if r.status_code != 200:
+                failures.append(f"{n} tokens: {r.status_code} {r.text[:300]}")
         assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
     finally:
         server.stop()
+        log = server.log()[-4000:]
         shutil.rmtree(home, ignore_errors=True)
-    return statuses
+    return statuses, "\n".join(failures) + "\n--- server log ---\n" + log
 
 
 def test_every_new_prompt_length_is_answered_past_the_shape_cache(bf16_model_dir, tmp_path):
-    statuses = answered(bf16_model_dir, tmp_path / "off", "0")
-    assert statuses == [200] * len(LENGTHS)
+    statuses, why = answered(bf16_model_dir, tmp_path / "off", "0")
+    assert statuses == [200] * len(LENGTHS), why
 
 
 def test_control_mlx_check_on_fails_prefills_past_the_shape_cache(bf16_model_dir, tmp_path):
     """Without this failing, the test above would not exercise what it claims to."""
-    statuses = answered(bf16_model_dir, tmp_path / "on", "1")
-    assert statuses[:LRU] == [200] * LRU
-    assert any(s >= 500 for s in statuses), "MLX's thrashing check no longer trips: revisit runner.py's override"
+    statuses, why = answered(bf16_model_dir, tmp_path / "on", "1")
+    assert statuses[:LRU] == [200] * LRU, why
+    assert any(s >= 500 for s in statuses), f"MLX's thrashing check no longer trips: revisit runner.py's override\n{why}"
+    assert "Cache thrashing" in why, why

@@ -723,6 +723,26 @@ def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]
     return cache, tokens
 
 
+def test_a_recomputed_prefix_that_ram_holds_is_made_again_only_if_the_hot_tier_can_hold_it(monkeypatch) -> None:
+    """Recomputed (the decision judged RAM slower), a prefix's blocks are stored again: into
+    a hot tier that can hold them; not when it cannot, where each would be made (a device
+    copy per layer, on the engine thread before the next request) only to go back to RAM."""
+    for hot_bytes, remade in ((1, 0), (1 << 30, 5)):
+        warm = HotTier(1 << 30)
+        cache = PrefixCache(CacheStore(HotTier(hot_bytes), None, B, warm=warm), FP, LAYERS, "m")
+        tokens = list(range(10, 10 + 4 * B + 1))
+        cache.store(tokens, kv(len(tokens)), final=True)
+        cache.tiers.hot.set_max_bytes(0)  # all let go to RAM: RAM alone holds the prefix
+        cache.tiers.hot.set_max_bytes(hot_bytes)
+        made: list[str] = []
+        real = cache._make_block
+        monkeypatch.setattr(cache, "_make_block", lambda *a, made=made, real=real: made.append(a[1]) or real(*a))
+        cache.store(tokens, kv(len(tokens)), final=True)  # the same prefix, recomputed
+        assert len(made) == remade
+        assert warm.stats()["blocks"] == 5
+        assert cache.tiers.hot.stats()["blocks"] == remade
+
+
 def test_requests_sharing_a_prefix_move_it_from_ram_once(monkeypatch) -> None:
     cache, tokens = ram_only_cache(1 << 30, monkeypatch)
     first, second = cache.prefetch(tokens, lambda: None), cache.prefetch(tokens, lambda: None)
