@@ -4,10 +4,10 @@ mlx-lm and the server: where does a gap appear?
 
   raw        mlx-lm `stream_generate`
   solo-main  oMLX's `SoloSequence` loop on the main thread, default stream
-  solo-thread  the same loop on a worker thread inside its own `mx.new_stream` (the engine's setup)
-  solo-thread-default  on a worker thread, in the default stream
-  engine     oMLX's `LLMEngine` in this process (solo path, no prefix cache), two requests on
-             one engine; the second one counts
+  solo-thread  the same loop on a long-lived worker thread inside its own `mx.new_stream` (the
+             engine's setup)
+  solo-thread-default  on a long-lived worker thread, in the default stream
+  engine     oMLX's `LLMEngine` in this process (solo path, no prefix cache), made once
 
 Each prints (TTFT seconds, decode tok/s); a long `--prompt-tokens` (8000, 32000) with few
 `--tokens` measures prefill, the server's TTFT gap of part (c).
@@ -64,47 +64,66 @@ def solo(model: Any, prompt: list[int], n: int, procs: list[Any], quantum: int =
     return timing(start, times)
 
 
-def solo_thread(model: Any, prompt: list[int], n: int, procs: list[Any], own_stream: bool = True) -> Timing:
-    import mlx.core as mx
+class Worker:
+    """One long-lived thread that runs the jobs given to it, in its own `mx.new_stream` or the
+    default stream: like the engine's thread, it is warm after the first job (a new thread
+    per job measured MLX's per-thread first-use costs, 3x the prefill, instead)."""
 
-    out: list[Timing] = []
+    def __init__(self, own_stream: bool):
+        import queue
 
-    def work() -> None:
-        if not own_stream:
-            out.append(solo(model, prompt, n, procs))
-            return
-        with mx.stream(mx.new_stream(mx.default_device())):
-            out.append(solo(model, prompt, n, procs))
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(own_stream,), daemon=True)
+        self.thread.start()
 
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
-    return out[0]
+    def _run(self, own_stream: bool) -> None:
+        import contextlib
+
+        import mlx.core as mx
+
+        with mx.stream(mx.new_stream(mx.default_device())) if own_stream else contextlib.nullcontext():
+            while (job := self.jobs.get()) is not None:
+                fn, out = job
+                out.put(fn())
+
+    def __call__(self, fn: Any) -> Any:
+        import queue
+
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs.put((fn, out))
+        return out.get()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
 
 
-def engine(model: Any, tokenizer: Any, prompt: list[int], n: int, eos: list[int]) -> Timing:
-    from omlx.engine.llm_engine import LLMEngine
-    from omlx.engine.request import GenerationRequest, SamplingParams
+class Engine:
+    """oMLX's `LLMEngine` in this process (solo path, no prefix cache), made once and kept, as
+    in the server; each call is one request."""
 
-    loaded = SimpleNamespace(model=model, tokenizer=tokenizer, context_length=1 << 20)
-    eng = LLMEngine("probe", lambda: loaded, max_concurrent=1)
+    def __init__(self, model: Any, tokenizer: Any, eos: list[int]):
+        from omlx.engine.llm_engine import LLMEngine
 
-    async def one() -> Timing:
-        req = GenerationRequest("probe", prompt, n, SamplingParams(temperature=0.0, logit_bias={e: -100.0 for e in eos}))
-        start, times = PERF(), []
-        async for ev in eng.generate(req):
-            times += [PERF()] * len(ev.token_ids)
-        return timing(start, times)
+        loaded = SimpleNamespace(model=model, tokenizer=tokenizer, context_length=1 << 20)
+        self.eng = LLMEngine("probe", lambda: loaded, max_concurrent=1)
+        self.eos = eos
 
-    async def run() -> Timing:
-        await eng.wait_ready()
-        await one()
-        return await one()
+    def __call__(self, prompt: list[int], n: int) -> Timing:
+        from omlx.engine.request import GenerationRequest, SamplingParams
 
-    try:
-        return asyncio.run(run())
-    finally:
-        eng.shutdown()
+        async def one() -> Timing:
+            await self.eng.wait_ready()
+            sampling = SamplingParams(temperature=0.0, logit_bias={e: -100.0 for e in self.eos})
+            start, times = PERF(), []
+            async for ev in self.eng.generate(GenerationRequest("probe", prompt, n, sampling)):
+                times += [PERF()] * len(ev.token_ids)
+            return timing(start, times)
+
+        return asyncio.run(one())
+
+    def close(self) -> None:
+        self.eng.shutdown()
 
 
 def main() -> None:
@@ -123,13 +142,14 @@ def main() -> None:
     eos = sorted(set(tokenizer.eos_token_ids or [])) or [2]
     procs = make_logits_processors(logit_bias={e: -100.0 for e in eos})
     prompt = [3 + (i * 7919) % 500 for i in range(args.prompt_tokens)]
+    own, default, eng = Worker(own_stream=True), Worker(own_stream=False), Engine(model, tokenizer, eos)
     kinds = {
         "raw": lambda: raw(model, tokenizer, prompt, args.tokens, procs),
         "solo-main": lambda: solo(model, prompt, args.tokens, procs),
         "solo-grid": lambda: solo(model, prompt, args.tokens, procs, quantum=256),
-        "solo-thread": lambda: solo_thread(model, prompt, args.tokens, procs),
-        "solo-thread-default": lambda: solo_thread(model, prompt, args.tokens, procs, own_stream=False),
-        "engine": lambda: engine(model, tokenizer, prompt, args.tokens, eos),
+        "solo-thread": lambda: own(lambda: solo(model, prompt, args.tokens, procs)),
+        "solo-thread-default": lambda: default(lambda: solo(model, prompt, args.tokens, procs)),
+        "engine": lambda: eng(prompt, args.tokens),
     }
     for f in kinds.values():  # warm-up: kernels compile on first use of each shape
         f()
@@ -139,6 +159,8 @@ def main() -> None:
             rows[k].append(f())
             mx.clear_cache()
         print(f"round {r}: " + ", ".join(f"{k} {v[-1][0]:.3f}s {v[-1][1]:.1f}tok/s" for k, v in rows.items()), flush=True)
+    for closing in (own, default, eng):
+        closing.close()
     ttft = {k: min(t for t, _ in v) for k, v in rows.items()}
     tps = {k: max(r for _, r in v) for k, v in rows.items()}
     print(json.dumps({"model": str(args.model), "prompt_tokens": args.prompt_tokens, "best_ttft_s": ttft,
