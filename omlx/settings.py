@@ -68,7 +68,7 @@ SETTINGS: tuple[Setting, ...] = (
         "prefill_step_size",
         int,
         512,
-        "Prompt tokens prefilled per request per engine step (up to 8 requests at once), so running streams keep flowing. On a CUDA GPU keep it a multiple of the cache block size, so that MLX reuses its prefill attention graphs.",
+        "Prompt tokens prefilled per request per engine step (up to 8 requests at once), so running streams keep flowing. On a CUDA GPU keep it a multiple of the cache block size, so that MLX reuses its prefill attention graphs; there a request alone in its engine goes in chunks of its smallest multiple of at least 2048 tokens, as raw mlx-lm does.",
         minimum=16,
     ),
     Setting(

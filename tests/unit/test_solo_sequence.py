@@ -19,11 +19,12 @@ import pytest
 
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams
+from omlx.engine.solo import SoloSequence
 
 
 def make_engine(
     model_path: Path, *, solo: bool, prefill_step_size: int = 512, own_prefill: bool | None = None,
-    prefill_quantum: int | None = None,
+    prefill_quantum: int | None = None, solo_prefill_step_size: int | None = None,
 ) -> LLMEngine:
     def loader() -> SimpleNamespace:
         from mlx_lm import load
@@ -33,7 +34,7 @@ def make_engine(
 
     return LLMEngine(
         "tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size, own_prefill=own_prefill,
-        prefill_quantum=prefill_quantum,
+        prefill_quantum=prefill_quantum, solo_prefill_step_size=solo_prefill_step_size,
     )  # fmt: skip
 
 
@@ -165,11 +166,23 @@ def test_second_request_hands_the_solo_one_off_mid_decode(model_path: Path) -> N
 
 
 @pytest.mark.parametrize("own_prefill", [False, True], ids=["batch-prefills-the-rest", "engine-prefills-the-rest"])
-def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path, own_prefill: bool) -> None:
+def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path, own_prefill: bool, monkeypatch) -> None:
+    # Alone, the prompt goes in chunks of 48 (the solo step); once a second request arrives it
+    # goes on in chunks of 16 (the step: the other's steps wait on them), from a multiple of 16.
     long_prompt = [3 + (i * 13) % 390 for i in range(900)]
     a, b = request("a", long_prompt, 16), request("b", PROMPT_B, 16)
     expected = alone(model_path, [a, b], solo=True)
-    engine = make_engine(model_path, solo=True, prefill_step_size=16, own_prefill=own_prefill)
+    engine = make_engine(
+        model_path, solo=True, prefill_step_size=16, own_prefill=own_prefill, solo_prefill_step_size=48
+    )
+    chunks: list[tuple[str, int, int]] = []  # (request's first prompt token, depth, chunk length)
+    real_feed = SoloSequence.feed_chunk
+
+    def feed_chunk(self: SoloSequence) -> bool:
+        chunks.append((self.fed[0] if self.fed else self.todo[0], len(self.fed), self.chunk_len()))
+        return real_feed(self)
+
+    monkeypatch.setattr(SoloSequence, "feed_chunk", feed_chunk)
 
     async def main() -> list[dict]:
         await engine.wait_ready()
@@ -187,6 +200,28 @@ def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path, own
         return [await first, second]
 
     assert_handed_off_once(engine, main, expected)
+    mine = [(depth, n) for first, depth, n in chunks if first == long_prompt[0] and n]
+    before = [n for depth, n in mine if n == 48]
+    after = mine[len(before) :]
+    assert before and mine[: len(before)] == [(48 * i, 48) for i in range(len(before))]
+    if own_prefill:  # the engine prefills the rest: in steps of 16 from the hand-off on
+        assert len(after) >= 2 and after[0][0] == 48 * len(before), after
+        assert all(n == 16 for _, n in after[:-1]) and after[-1][1] <= 16, after
+    else:  # the BatchGenerator takes the rest
+        assert after == []
+
+
+def test_a_lone_request_is_prefilled_in_larger_chunks_where_the_engine_prefills(model_path: Path) -> None:
+    # a multiple of the step (a hand-off keeps chunks on the step's grid), 2048 at least on a
+    # CUDA GPU (own prefill); elsewhere the step
+    cases = {
+        (True, 512, None): 2048, (True, 768, None): 2304, (True, 4096, None): 4096, (False, 512, None): 512,
+        (False, 16, 40): 48, (True, 16, 64): 64,
+    }  # fmt: skip
+    for (own, step, asked), size in cases.items():
+        engine = make_engine(model_path, solo=True, prefill_step_size=step, own_prefill=own, solo_prefill_step_size=asked)
+        engine.shutdown()
+        assert engine.solo_prefill_step_size == size, (own, step, asked)
 
 
 def test_cancelled_solo_request_frees_the_engine(model_path: Path) -> None:
@@ -513,3 +548,44 @@ def test_a_padded_prefill_is_timed_as_the_tokens_it_computed(model_path: Path) -
 
     drive(engine, main)
     assert seen == [(97, 0)]
+
+
+def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_slower_tiers(
+    model_path: Path,
+) -> None:
+    # A lone request's prefill is all of its TTFT: the copies of stored blocks to RAM or the
+    # SSD (`write_back`) wait for its end; before and after it the engine makes them as usual.
+    from omlx.engine.llm_engine import PrefixCacheHooks
+
+    calls: list[bool] = []  # per write_back: was a lone prompt being fed?
+
+    class Spy(PrefixCacheHooks):
+        def write_back(self, idle: bool) -> bool:
+            calls.append(engine._prefilling_alone())
+            return False
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_path))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    engine = LLMEngine("tiny", loader, max_concurrent=4, prefill_step_size=16, solo_prefill_step_size=16,
+                       prefix_cache_factory=lambda loaded: Spy())  # fmt: skip
+    fed: list[int] = []
+    real_feed = SoloSequence.feed_chunk
+
+    def feed_chunk(self: SoloSequence) -> bool:
+        fed.append(len(self.fed))
+        return real_feed(self)
+
+    async def main() -> dict:
+        await engine.wait_ready()
+        return await run_one(engine, request("a", [3 + (i * 13) % 390 for i in range(400)], 8))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SoloSequence, "feed_chunk", feed_chunk)
+        out = drive(engine, main)
+    assert out["finish"] == "length" and len(fed) >= 20  # 400 tokens in chunks of 16
+    assert calls and not any(calls)  # never while the prompt was fed
+    assert len(calls) >= 8  # the loops of its decode steps and of the idle engine did write back
