@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import queue
 import sys
 import threading
 import time
@@ -70,15 +72,11 @@ class Worker:
     per job measured MLX's per-thread first-use costs, 3x the prefill, instead)."""
 
     def __init__(self, own_stream: bool):
-        import queue
-
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, args=(own_stream,), daemon=True)
         self.thread.start()
 
     def _run(self, own_stream: bool) -> None:
-        import contextlib
-
         import mlx.core as mx
 
         with mx.stream(mx.new_stream(mx.default_device())) if own_stream else contextlib.nullcontext():
@@ -87,8 +85,6 @@ class Worker:
                 out.put(fn())
 
     def __call__(self, fn: Any) -> Any:
-        import queue
-
         out: queue.SimpleQueue = queue.SimpleQueue()
         self.jobs.put((fn, out))
         return out.get()

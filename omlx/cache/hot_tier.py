@@ -82,6 +82,10 @@ class HotTier:
         with self._lock:
             return key in self._blocks
 
+    def can_hold(self, nbytes: int) -> bool:
+        """Whether a block of `nbytes` could be kept here at all (enabled, and within budget)."""
+        return 0 < self._max_bytes and nbytes <= self._max_bytes
+
     def put(self, block: CacheBlock) -> bool:
         """Store ``block``, evicting least recently used blocks to fit (they go to
         ``on_evict``, the next tier, if any).
@@ -93,7 +97,7 @@ class HotTier:
         size = block.nbytes
         evicted = []
         with self._lock:
-            if self._max_bytes <= 0 or size > self._max_bytes:
+            if not self.can_hold(size):
                 stored = False
                 evicted.append(block)
             elif block.key in self._blocks:

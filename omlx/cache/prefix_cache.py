@@ -186,7 +186,7 @@ class CacheStore:
             follower(block, host)
 
     def _defer(self, block: CacheBlock) -> bool:
-        if block.nbytes > self.hot.max_bytes:  # never held by the hot tier: no device memory to spare
+        if not self.hot.can_hold(block.nbytes):  # never held by the hot tier: no device memory to spare
             return False
         with self._leaving_lock:
             if block.key in self._leaving:  # taken back for the SSD writer, and let go again
@@ -801,7 +801,7 @@ class PrefixCache(PrefixCacheHooks):
         self._drop_unwritten_if_cleared()
         # A block the hot tier cannot hold would be made (a device copy per layer) only to go
         # straight back to RAM: when RAM holds it, recomputing its tokens needs no new copy.
-        ram_is_enough = warm is not None and self.bytes_per_token * self.B > hot.max_bytes
+        ram_is_enough = warm is not None and self.bytes_per_token > 0 and not hot.can_hold(self.bytes_per_token * self.B)
 
         def known(key: str) -> bool:
             return (

@@ -439,10 +439,10 @@ class LLMEngine:
 
     def _prefilling_alone(self) -> bool:
         """A lone request's prompt is being fed: its prefill is all of its TTFT, and no other
-        stream is slowed by waiting. Copies of stored blocks to RAM or the SSD that are due
-        only by their bounds wait for its end (on an H200, at 32,000 tokens, a miss whose
-        prefill loops each copied 16 MB device -> host came out 0.1-0.2 s slower than
-        `--no-cache`); the engine's next loop after the prefill does them."""
+        stream is slowed by waiting. Copies of stored blocks to RAM or the SSD (the engine is
+        busy, so due then only by their bounds or an eviction) wait for its end: on an H200,
+        at 32,000 tokens, a miss whose prefill loops each copied 16 MB device -> host came out
+        0.1-0.2 s slower than `--no-cache`. The engine's next loop after the prefill does them."""
         if self._solo_uid is None:
             return False
         state = self._running.get(self._solo_uid)

@@ -5,7 +5,10 @@ capacity (its "cache thrashing" check). `omlx serve` turns the check off; this t
 the LRU so that a few dozen distinct prompt lengths cross the line, and checks that every
 request is still answered — and, as the control, that with MLX's check on they are not.
 
-Skipped unless MLX's CUDA backend is installed and sees a GPU.
+Skipped unless MLX's CUDA backend is installed and sees a GPU. On an H200 with MLX 0.32.4
+(2026-11-30, seventh session) both failed: past the LRU a process lost its CUDA context
+("illegal memory access"), check on or off; with CUDA graphs off, or an LRU that never
+evicts, all 40 were answered (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
