@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--length-spread", type=int, default=0, help="prompts of 4 lengths this many tokens apart")
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--kinds", help="comma-separated subset of the kinds above (default: all)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -186,6 +187,8 @@ def main() -> None:
                                       args.profile if last else None),  # fmt: skip
         "engine-own": lambda last: engine(model, tokenizer, prompts, args.tokens, eos, True),
     }
+    if args.kinds:
+        kinds = {k: kinds[k] for k in args.kinds.split(",")}
     for f in kinds.values():  # warm-up: kernels compile on first use of each shape
         f(False)
     rows: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
@@ -197,7 +200,7 @@ def main() -> None:
     best = {k: max(v, key=lambda x: x["aggregate_tps"]) for k, v in rows.items()}
     ratios = {
         k: {m: round(v[m] / best["raw"][m], 3) for m in ("aggregate_tps", "steady_tps")} for k, v in best.items()
-    }
+    } if "raw" in best else {}
     print(json.dumps({"model": str(args.model), "streams": args.streams, "best": best, "vs_raw": ratios}))
 
 

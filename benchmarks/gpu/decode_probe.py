@@ -122,12 +122,21 @@ class Engine:
         self.eng.shutdown()
 
 
+def vs_raw(ttft: dict[str, float], tps: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Each kind's figures as a fraction of raw mlx-lm's, when raw ran."""
+    if not ttft.get("raw") or not tps.get("raw"):
+        return {}
+    return {"ttft_vs_raw": {k: round(v / ttft["raw"], 3) for k, v in ttft.items()},
+            "tps_vs_raw": {k: round(v / tps["raw"], 3) for k, v in tps.items()}}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kinds", help="comma-separated subset of the kinds above (default: all)")
     args = ap.parse_args()
 
     import mlx.core as mx
@@ -147,6 +156,8 @@ def main() -> None:
         "solo-thread-default": lambda: default(lambda: solo(model, prompt, args.tokens, procs)),
         "engine": lambda: eng(prompt, args.tokens),
     }
+    if args.kinds:
+        kinds = {k: kinds[k] for k in args.kinds.split(",")}
     for f in kinds.values():  # warm-up: kernels compile on first use of each shape
         f()
     rows: dict[str, list[Timing]] = {k: [] for k in kinds}
@@ -160,8 +171,7 @@ def main() -> None:
     ttft = {k: min(t for t, _ in v) for k, v in rows.items()}
     tps = {k: max(r for _, r in v) for k, v in rows.items()}
     print(json.dumps({"model": str(args.model), "prompt_tokens": args.prompt_tokens, "best_ttft_s": ttft,
-                      "best_tps": tps, "ttft_vs_raw": {k: round(v / ttft["raw"], 3) for k, v in ttft.items()},
-                      "tps_vs_raw": {k: round(v / tps["raw"], 3) if tps["raw"] else 0.0 for k, v in tps.items()}}))  # fmt: skip
+                      "best_tps": tps, **vs_raw(ttft, tps)}))
 
 
 if __name__ == "__main__":
