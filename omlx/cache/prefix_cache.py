@@ -883,6 +883,10 @@ class PrefixCache(PrefixCacheHooks):
         block = self._unwritten_block(key)
         return block if block is not None else leaving
 
+    def hold_writes(self, on: bool) -> None:
+        if self.tiers.ssd is not None:
+            self.tiers.ssd.hold_writes(self, on)
+
     def write_back(self, idle: bool) -> bool:
         """Copy this model's blocks the hot tier let go to RAM (`CacheStore.demote`), then hand
         stored blocks to the SSD writer, oldest first: each up to `WRITE_BACK_CHUNK` bytes (at

@@ -44,6 +44,7 @@ FORMAT_VERSION = "1"
 _SUFFIX = ".safetensors"
 _TMP_MARK = ".safetensors.tmp-"
 _MAX_HEADER = 64 << 20  # no sane block header is anywhere near this
+HOLD_MAX_S = 10.0  # the longest the writer waits for `hold_writes` holders before writing anyway
 _HEX = frozenset("0123456789abcdef")
 _tmp_counter = itertools.count()  # process-wide, so two tiers never pick the same temp name
 
@@ -213,6 +214,9 @@ class SSDTier:
         self._pending: set[str] = set()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
+        # engines prefilling a prompt alone (`hold_writes`): the writer waits between files
+        self._holders: set[object] = set()
+        self._unheld = threading.Condition(self._lock)
         self._pool: ThreadPoolExecutor | None = None  # `get_many`'s readers
         self._ahead_pool: ThreadPoolExecutor | None = None  # `read_ahead`'s
         self._ahead: dict[str, Future[TimedRead]] = {}  # reads ahead in flight, by key
@@ -582,6 +586,23 @@ class SSDTier:
 
     # ------------------------------------------------------------------ writer thread
 
+    def hold_writes(self, holder: object, on: bool) -> None:
+        """While any holder is on, the writer starts no new file. Serialising and checksumming
+        a block takes the GIL and memory bandwidth from an engine thread whose lone prefill is
+        all of a request's TTFT; a prefill lasts seconds at most, and `HOLD_MAX_S` bounds the
+        wait should a holder never let go."""
+        with self._lock:
+            if on:
+                self._holders.add(holder)
+            else:
+                self._holders.discard(holder)
+                if not self._holders:
+                    self._unheld.notify_all()
+
+    def _wait_unheld(self) -> None:
+        with self._lock:
+            self._unheld.wait_for(lambda: not self._holders or self._closed, timeout=HOLD_MAX_S)
+
     def _run(self) -> None:
         _lower_thread_priority()
         try:
@@ -597,6 +618,7 @@ class SSDTier:
             if block is None:
                 return
             try:
+                self._wait_unheld()
                 self._write_one(block)
             except Exception:  # noqa: BLE001 - pragma: no cover - belt and braces
                 log.exception("SSD cache: writer error")
@@ -696,6 +718,8 @@ class SSDTier:
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            self._unheld.notify_all()  # a held writer finishes the queue now
         if self._thread is not None:
             self.flush(timeout)
             self._drain_queue(count_as_dropped=True)

@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from omlx.engine.device_fault import DEVICE
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.discovery import ModelInfo
 from omlx.models.encoder_loader import Encoded, LoadedEncoder, load_encoder
@@ -107,6 +108,7 @@ class EncoderEngine:
 
     async def run(self, inputs: list[Encoded]) -> np.ndarray:
         """Rows of the forward pass for `inputs`, in order, stacked."""
+        DEVICE.raise_if_lost()
         if self._outstanding >= self.max_waiting:
             raise OverloadedError(
                 f"Model '{self.model_id}' has {self._outstanding} requests queued. Retry shortly.",
@@ -136,6 +138,7 @@ class EncoderEngine:
             self.context_length = self.loaded.max_length
             return True
         except BaseException as exc:  # reported to every waiter by wait_ready()
+            DEVICE.check(exc)
             log.exception("loading %s failed", self.model_id)
             self._load_error = exc
             return False
@@ -182,6 +185,7 @@ class EncoderEngine:
                 mx.eval(out)
                 rows = np.array(out, copy=True)
             except Exception as exc:  # an engine fault fails these requests, not the server
+                DEVICE.check(exc)
                 log.exception("%s failed a batch of %d", self.model_id, len(live))
                 for j, _ in live:
                     failed[id(j)] = f"{type(exc).__name__}: {exc}"

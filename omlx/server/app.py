@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from omlx import __version__
 from omlx.admin import install_admin, shutdown_admin
@@ -17,6 +18,7 @@ from omlx.api.responses_models import ResponseStore
 from omlx.cache.prefix_cache import CacheStore, make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
+from omlx.engine.device_fault import DEVICE
 from omlx.engine.embedding_engine import encoder_factories
 from omlx.engine.llm_engine import LLMEngine
 from omlx.errors import ConfigError
@@ -92,8 +94,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.metrics = metrics
     install_error_handlers(app)
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, str] | JSONResponse:
+        if DEVICE.lost is not None:  # the process is shutting down to be restarted
+            return JSONResponse({"status": "unhealthy", "reason": f"the GPU failed: {DEVICE.lost}"}, status_code=503)
         return {"status": "ok"}
 
     @app.head("/")

@@ -6,12 +6,18 @@ import logging
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 
 import uvicorn
 
+from omlx.engine.device_fault import DEVICE, EXIT_DEVICE_LOST
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx")
+
+DEVICE_LOST_GRACE_S = 1.0  # for the failed requests' answers to go out before the shutdown
+SHUTDOWN_DEADLINE_S = 30.0
 
 
 def configure_logging(level: str) -> None:
@@ -101,11 +107,45 @@ def run_server(settings: Settings) -> None:
     # KeyboardInterrupt traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
+    DEVICE.on_lost(shut_down_when_device_lost())
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
     # The engines, SSD writer and downloads were stopped by the app's shutdown. Leave without
     # the interpreter's teardown: MLX's stream threads abort the process there ("terminate
     # called without an active exception") once a model has generated on an engine thread.
+    _leave(EXIT_DEVICE_LOST if DEVICE.lost else 0)
+
+
+def _leave(code: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def shut_down_when_device_lost(
+    grace_s: float = DEVICE_LOST_GRACE_S,
+    deadline_s: float = SHUTDOWN_DEADLINE_S,
+    kill: Callable[[], None] | None = None,
+    leave: Callable[[int], None] | None = None,
+) -> Callable[[str], None]:
+    """What the server does when the GPU is lost (`DEVICE.on_lost`): after `grace_s`, for the
+    failed requests' answers to go out, the graceful shutdown of a SIGTERM (the SSD writer
+    finishes its queue), then exit code `EXIT_DEVICE_LOST` for a supervisor to restart it.
+    A shutdown still running after `deadline_s` (an engine stuck in the broken device) ends
+    in a hard exit with the same code."""
+    kill = kill or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+    leave = leave or _leave
+
+    def lost(reason: str) -> None:
+        def stop() -> None:
+            log.critical("shutting down (exit code %d): restart the server to use the GPU again", EXIT_DEVICE_LOST)
+            hard = threading.Timer(deadline_s, leave, (EXIT_DEVICE_LOST,))
+            hard.daemon = True
+            hard.start()
+            kill()
+
+        timer = threading.Timer(grace_s, stop)
+        timer.daemon = True
+        timer.start()
+
+    return lost

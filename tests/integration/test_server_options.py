@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -68,6 +70,32 @@ def test_full_queue_answers_429_with_retry_after(tiny_model_dir, tmp_path):
         server.stop()
 
 
+@contextlib.contextmanager
+def decoding_alongside(base_url: str, model: str) -> Iterator[None]:
+    """A stream decoding in the background: its engine is never alone, so a new prompt goes
+    in `--prefill-step-size` chunks between its decode steps, on every device (a request
+    alone in its engine is prefilled in large chunks on a CUDA GPU, too fast to wait on)."""
+    started, stop = threading.Event(), threading.Event()
+
+    def run() -> None:
+        body = {"model": model, "prompt": "a b", "max_tokens": 12000, "stream": True, "logit_bias": {"2": -100}}
+        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
+                if stop.is_set():
+                    return  # closing the stream cancels it
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(60), "the background stream never started"
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(60)
+
+
 def test_keepalives_flow_while_a_long_prefill_runs(tmp_path):
     from tests.support.tiny_model import build_tiny_llama
 
@@ -83,8 +111,11 @@ def test_keepalives_flow_while_a_long_prefill_runs(tmp_path):
         prompt = "fox jumps " * 1500
         body = {"model": "slow", "max_tokens": 2, "stream": True, "temperature": 0,
                 "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
-        with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
-            lines = [line for line in r.iter_lines() if line]
+        with decoding_alongside(server.base_url, "slow"):
+            with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+                lines = [line for line in r.iter_lines() if line]
+            with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=120) as r:
+                events = [line for line in r.iter_lines() if line.startswith("event: ")]
         # the end of the prefill: the first chunk with generated output (text, or only the finish
         # when this random model's two tokens decode to no text, e.g. a partial character)
         first_output = next(
@@ -92,8 +123,6 @@ def test_keepalives_flow_while_a_long_prefill_runs(tmp_path):
             if ('"content":"' in line and '"role"' not in line) or '"finish_reason":"' in line
         )  # fmt: skip
         assert any(line == ": keep-alive" for line in lines[:first_output])
-        with httpx.stream("POST", server.base_url + "/v1/messages", json=body, timeout=120) as r:
-            events = [line for line in r.iter_lines() if line.startswith("event: ")]
         start = next(i for i, e in enumerate(events) if e in ("event: content_block_start", "event: message_delta"))
         assert events[1] == "event: ping" and events[:start].count("event: ping") >= 3
     finally:

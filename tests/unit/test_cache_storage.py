@@ -266,6 +266,23 @@ def test_a_block_read_from_the_ssd_comes_back_as_one_array(tmp_path: Path, monke
     assert made == 1 and same_tensors(back.tensors, block.tensors)
 
 
+def test_writes_wait_while_any_engine_prefills_a_prompt_alone(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    engine_a, engine_b = object(), object()
+    tier.hold_writes(engine_a, True)
+    tier.hold_writes(engine_b, True)
+    tier.put(make_block(1))
+    assert not tier.flush(timeout=0.3) and block_files(tmp_path) == []
+    tier.hold_writes(engine_a, False)
+    assert not tier.flush(timeout=0.3)  # one engine still prefills alone
+    tier.hold_writes(engine_b, False)
+    assert tier.flush(timeout=10) and len(block_files(tmp_path)) == 1
+    tier.hold_writes(engine_a, True)
+    tier.put(make_block(2))
+    tier.close(timeout=10)  # a shutdown writes what is queued, held or not
+    assert len(block_files(tmp_path)) == 2
+
+
 def test_checksum_bf16_and_sensitivity() -> None:
     b = make_block(1)
     c = checksum(b.tensors)

@@ -554,15 +554,20 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
     model_path: Path,
 ) -> None:
     # A lone request's prefill is all of its TTFT: the copies of stored blocks to RAM or the
-    # SSD (`write_back`) wait for its end; before and after it the engine makes them as usual.
+    # SSD (`write_back`) wait for its end, and so does the SSD writer (`hold_writes`); before
+    # and after it the engine makes them as usual.
     from omlx.engine.llm_engine import PrefixCacheHooks
 
     calls: list[bool] = []  # per write_back: was a lone prompt being fed?
+    holds: list[bool] = []
 
     class Spy(PrefixCacheHooks):
         def write_back(self, idle: bool) -> bool:
             calls.append(engine._prefilling_alone())
             return False
+
+        def hold_writes(self, on: bool) -> None:
+            holds.append(on)
 
     def loader() -> SimpleNamespace:
         from mlx_lm import load
@@ -575,12 +580,17 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
     fed: list[int] = []
     real_feed = SoloSequence.feed_chunk
 
+    held_while_fed: list[bool] = []
+
     def feed_chunk(self: SoloSequence) -> bool:
         fed.append(len(self.fed))
+        held_while_fed.append(bool(holds) and holds[-1])
         return real_feed(self)
 
     async def main() -> dict:
         await engine.wait_ready()
+        fed.clear()  # the warm-up's chunks
+        held_while_fed.clear()
         return await run_one(engine, request("a", [3 + (i * 13) % 390 for i in range(400)], 8))
 
     with pytest.MonkeyPatch.context() as mp:
@@ -589,3 +599,4 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
     assert out["finish"] == "length" and len(fed) >= 20  # 400 tokens in chunks of 16
     assert calls and not any(calls)  # never while the prompt was fed
     assert len(calls) >= 8  # the loops of its decode steps and of the idle engine did write back
+    assert all(held_while_fed) and holds == [True, False]  # the SSD writer waited for the prefill only
