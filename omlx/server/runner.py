@@ -76,6 +76,8 @@ def run_server(settings: Settings) -> None:
     # MLX raises an error on every new shape once a process has missed twice an LRU's
     # capacity (its "cache thrashing" check): a server meets new prompt lengths all its life,
     # so after a few hundred requests every prefill would fail. Misses only cost time here.
+    # An entry holds ~2.2 MiB of host RAM and ~0.1 MiB of device memory (H200,
+    # benchmarks/gpu/sdpa_cache_probe.py): 1,024 cost up to ~2.3 GB of RAM.
     os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "1024")
     os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
     from omlx.models.loader import resolve_compute_dtype
