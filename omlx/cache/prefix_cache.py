@@ -801,7 +801,7 @@ class PrefixCache(PrefixCacheHooks):
         self._drop_unwritten_if_cleared()
         # A block the hot tier cannot hold would be made (a device copy per layer) only to go
         # straight back to RAM: when RAM holds it, recomputing its tokens needs no new copy.
-        ram_is_enough = warm is not None and self.bytes_per_token > 0 and not hot.can_hold(self.bytes_per_token * self.B)
+        ram_is_enough = self._only_ram_keeps_blocks()
 
         def known(key: str) -> bool:
             return (
@@ -1011,8 +1011,18 @@ class PrefixCache(PrefixCacheHooks):
 
     def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
         """Store right after prefill only when at least a block's worth was computed: then the
-        copy is small next to the prefill; short prompts are stored when they finish."""
-        return prompt_tokens - cached_tokens >= self.B
+        copy is small next to the prefill; short prompts are stored when they finish. Not when
+        only RAM would keep the blocks: the whole prompt's KV would be copied device -> host
+        on the engine thread between the request's first and second token (on an H200, 2-3 s
+        for a 32,000-token prompt of a 1B model); stored at its end, the copy delays none of
+        its tokens."""
+        return prompt_tokens - cached_tokens >= self.B and not self._only_ram_keeps_blocks()
+
+    def _only_ram_keeps_blocks(self) -> bool:
+        """The hot tier cannot hold one block (it is off, or smaller), so every stored block
+        goes to host RAM at once, copied on the engine thread."""
+        warm, hot = self.tiers.warm, self.tiers.hot
+        return warm is not None and self.bytes_per_token > 0 and not hot.can_hold(self.bytes_per_token * self.B)
 
     def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
         self.prefill.observe(tokens, depth, seconds)

@@ -164,6 +164,19 @@ def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(mo
     assert warm.stats()["blocks"] == 5
 
 
+def test_prompt_blocks_wait_for_the_end_when_only_ram_would_keep_them() -> None:
+    """Stored right after the prefill, blocks that the hot tier cannot hold would be copied to
+    RAM between the request's first and second token: they are stored when it finishes."""
+    tokens = list(range(10, 10 + 4 * B + 1))
+    ram_only = PrefixCache(CacheStore(HotTier(1), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
+    roomy = PrefixCache(CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
+    for cache in (ram_only, roomy):
+        cache.store(tokens, kv(len(tokens)), final=True)  # the first store measures a block's bytes
+    assert roomy.wants_prompt_blocks(8 * B, 0)
+    assert not ram_only.wants_prompt_blocks(8 * B, 0)
+    assert not roomy.wants_prompt_blocks(B - 1, 0)  # less than a block computed: at the end anyway
+
+
 def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tmp_path: Path, monkeypatch) -> None:
     """Handing a block to the SSD writer copies it to host memory on the engine thread (slow
     on a CUDA GPU): a busy engine defers it up to a bound, and every call hands over at most a
