@@ -113,6 +113,7 @@ def create_app(settings: Settings) -> FastAPI:
             "uptime_s": time.time() - request.app.state.started,
             "active_requests": sum(m["active_requests"] for m in models),
             "waiting_requests": sum(m["waiting_requests"] for m in models),
+            "device_lost": DEVICE.lost,  # the GPU's error, once it failed (the server is leaving)
             "models": models,
         }
 

@@ -143,7 +143,9 @@ def test_health_and_new_requests_get_503_in_each_dialect_once_the_gpu_is_lost(ti
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://omlx") as client:
             assert (await client.get("/health")).json() == {"status": "ok"}
+            assert (await client.get("/api/status")).json()["device_lost"] is None
             DEVICE.check(RuntimeError(SEEN_ON_THE_H200))
+            assert (await client.get("/api/status")).json()["device_lost"] == SEEN_ON_THE_H200
             r = await client.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "unhealthy"
             assert "illegal memory access" in r.json()["reason"]
