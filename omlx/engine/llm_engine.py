@@ -482,9 +482,9 @@ class LLMEngine:
         busy, so due then only by their bounds or an eviction) wait for its end: on an H200,
         at 32,000 tokens, a miss whose prefill loops each copied 16 MB device -> host came out
         0.1-0.2 s slower than `--no-cache`. The engine's next loop after the prefill does them.
-        The SSD writer waits too (`hold_writes`): at 23:04 the next day, a 32,000-token miss
-        whose prefill ran while the previous prompt's 1 GB of blocks were being written came out
-        0.05 s slower than `--no-cache`, and 0.01 s on a server without an SSD tier."""
+        The SSD writer waits too (`hold_writes`): a 32,000-token miss whose prefill ran while
+        the previous prompt's 1 GB of blocks were being written came out 0.057 s slower than
+        `--no-cache` on the H200, 0.014 s with the writer held."""
         if self._solo_uid is None:
             return False
         state = self._running.get(self._solo_uid)
