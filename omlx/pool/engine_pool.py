@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from omlx.cache.sizes import format_size
+from omlx.engine.device_fault import DEVICE
 from omlx.errors import InsufficientMemoryError, InvalidRequestError, ModelNotFoundError
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
 from omlx.pool.memory import estimate_model_bytes
@@ -151,6 +152,7 @@ class EnginePool:
             entry.last_used = time.time()
 
     async def _ensure_loaded(self, resolved: Resolved) -> Entry:
+        DEVICE.raise_if_lost()  # nothing can load or run any more: 503 rather than a load failure
         model_id = resolved.info.id
         entry = self.entries.get(model_id)
         if entry is not None:

@@ -155,6 +155,9 @@ def test_health_and_new_requests_get_503_in_each_dialect_once_the_gpu_is_lost(ti
             r = await client.post("/v1/messages", json=body)
             assert r.status_code == 503 and r.json()["type"] == "error"
             assert "GPU failed" in r.json()["error"]["message"]
+            r = await client.post("/v1/models/tiny-llama/load")
+            assert r.status_code == 503 and r.json()["error"]["code"] == "device_lost"
+            assert app.state.pool.entries == {}  # no model was loaded onto the lost device
 
     try:
         asyncio.run(main())
