@@ -68,11 +68,6 @@ class DeviceHealth:
         with self._lock:
             self._listeners.append(listener)
 
-    def remove_listener(self, listener: Callable[[str], None]) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
     def check(self, exc: BaseException) -> bool:
         """Whether `exc` means the device is lost; the first such error marks it so."""
         if self.lost is None and not is_sticky_device_error(exc):
@@ -80,7 +75,8 @@ class DeviceHealth:
         with self._lock:
             first = self.lost is None
             if first:
-                self.lost = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+                text = str(exc).strip()
+                self.lost = text.splitlines()[0][:300] if text else type(exc).__name__
             listeners = list(self._listeners) if first else []
         if first:
             log.critical("the GPU failed and this process cannot use it any more: %s", self.lost)

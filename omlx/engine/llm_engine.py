@@ -451,8 +451,7 @@ class LLMEngine:
                 for state in list(self._running.values()):
                     self._finish(state, "error", error=f"engine failure: {exc}")
                 self._hold_writes(False)
-                if lost:  # so would every later step: the queued ones fail now, not one by one
-                    self._fail_queued(DeviceLostError(DEVICE.lost or str(exc)).message)
+                if lost:  # so would every later step: the next loop answers the queued ones
                     continue
                 self._bg = self._new_batch_generator()
                 self._prompt_stores = []
