@@ -72,6 +72,13 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=16,
     ),
     Setting(
+        "graph_warmup_tokens",
+        int,
+        32768,
+        "On a CUDA GPU, a model's engine feeds a dummy prompt of this many tokens (at most its context window, and a KV cache of at most 5% of GPU memory) once while idle after loading, in the chunks a lone prompt is prefilled in, pausing whenever requests come: MLX then builds the attention graph of each chunk shape (~40 ms each on an H200) before a user's long prompt needs it. 0 = off; ignored on other devices.",
+        minimum=0,
+    ),
+    Setting(
         "default_max_tokens",
         int,
         4096,

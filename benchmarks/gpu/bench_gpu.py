@@ -15,6 +15,8 @@ HTTP requests. Parts (see benchmarks/gpu/README.md):
   e  host<->device copy bandwidth through MLX (and PyTorch for reference)
   f  oMLX vs `mlx_lm.server --decode-concurrency N` on text prompts: batch-1 decode and
      N (default 8) concurrent streams' aggregate tok/s (issue #3's serving comparison)
+  g  TTFT of the first long prompt after a start, with the idle engine's attention-graph
+     warm-up (the default) and without it (--graph-warmup-tokens 0), then of a second one
 
 Usage (on the GPU machine, see README): python benchmarks/gpu/bench_gpu.py --shape llama-3.2-1b
 """
@@ -1068,6 +1070,14 @@ def main() -> None:
                 results["c_error"] = traceback.format_exc()
                 log(results["c_error"])
             save()
+        if "g" in parts:
+            try:
+                results["g"] = part_g(args, wl, models_root, homes, extra, servers)
+            except Exception:
+                dump_servers(args.py_spy, servers)
+                results["g_error"] = traceback.format_exc()
+                log(results["g_error"])
+            save()
     finally:
         with open(out_dir / f"servers-{args.shape}.log", "w") as logs:
             for s in servers:
@@ -1116,6 +1126,43 @@ def part_f(args: Any, wl: Workload, tokenizer: Any, pool: Any, ours: Server, pee
         out[f"omlx_{key}"], out[f"peer_{key}"] = best("omlx", key), best("peer", key)
         out[f"{key}_ratio"] = out[f"omlx_{key}"] / out[f"peer_{key}"] if out[f"peer_{key}"] else 0.0
     return out
+
+
+def part_g(
+    args: Any, wl: Workload, models_root: Path, homes: Path, extra: list[str], servers: list[Any]
+) -> dict[str, Any]:
+    """The first prompt of the longest `--ttft-lengths` after a `--no-cache` server starts: MLX
+    builds an attention graph per prefill chunk shape on first use (~40 ms each on an H200),
+    unless the idle engine's warm-up (omlx/engine/graph_warmup.py) built them already. Each
+    server gets the usual short warm-up request first (kernels), then waits for the graph
+    warm-up to finish (status), then two new prompts of that length: the first and a warm one."""
+    n = max(int(x) for x in args.ttft_lengths.split(",") if x)
+    g: dict[str, Any] = {"prompt_tokens": n}
+    for label, flags in (("off", ["--graph-warmup-tokens", "0"]), ("on", [])):
+        s = Server(f"omlx --no-cache, graph warm-up {label}", models_root, args.shape, homes / f"g-{label}",
+                   ["--no-cache", *extra, *flags])  # fmt: skip
+        servers.append(s)
+        s.start()
+        try:
+            row: dict[str, Any] = {"load_s": s.wait_ready()}
+            ttft(s.url, wl.body(wl.prompt(args.prompt_tokens), 2))
+            tic, deadline = PERF(), time.time() + 300
+            while time.time() < deadline:
+                progress = httpx.get(f"{s.url}/api/status", timeout=10).json()["models"]
+                progress = next((m.get("graph_warmup") for m in progress if m["id"] == args.shape), None)
+                if progress is None or progress.get("done"):
+                    break
+                time.sleep(0.1)
+            row.update(warmup=progress, waited_s=PERF() - tic)
+            row["first"], _ = ttft(s.url, wl.body(wl.prompt(n), 2))
+            row["second"], _ = ttft(s.url, wl.body(wl.prompt(n), 2))
+            g[label] = row
+            log(f"(g) graph warm-up {label}: first {n}-token prompt {row['first']:.3f}s, second {row['second']:.3f}s "
+                f"(warm-up {progress}, waited {row['waited_s']:.2f}s)")  # fmt: skip
+        finally:
+            s.stop()
+    g["first_ratio"] = g["on"]["first"] / g["off"]["first"]
+    return g
 
 
 def part_c(
@@ -1249,6 +1296,13 @@ def print_table(r: dict[str, Any]) -> None:
             f"({f['b1_tps_ratio']:.3f}x); {f['streams']} streams x {f['stream_tokens']} aggregate "
             f"{f['omlx_aggregate_tps']:.0f} vs {f['peer_aggregate_tps']:.0f} tok/s ({f['aggregate_tps_ratio']:.3f}x, "
             f"goal >= 1.2); steady {f['omlx_steady_tps']:.0f} vs {f['peer_steady_tps']:.0f}"
+        )
+    if "g" in r:
+        g = r["g"]
+        print(
+            f"(g) first {g['prompt_tokens']}-token prompt after a start: graph warm-up off {g['off']['first']:.3f}s "
+            f"(second {g['off']['second']:.3f}s) | on {g['on']['first']:.3f}s (second {g['on']['second']:.3f}s) "
+            f"| ratio {g['first_ratio']:.3f}"
         )
     if "d" in r:
         d = r["d"]

@@ -32,6 +32,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.device_fault import DEVICE, DeviceLostError
+from omlx.engine.graph_warmup import MEMORY_FRACTION, GraphWarmup
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
@@ -161,6 +162,7 @@ class LLMEngine:
         solo_prefill_step_size: int | None = None,
         prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
         on_finished: Callable[[str, dict[str, Any]], None] | None = None,
+        graph_warmup_tokens: int = 0,
     ):
         self.model_id = model_id
         self._on_finished = on_finished  # called on the engine thread with each request's numbers
@@ -184,6 +186,11 @@ class LLMEngine:
         # on the step's grid, and then it goes on in steps (`_hand_off`)
         solo_step = solo_prefill_step_size or (SOLO_PREFILL_TOKENS if self.own_prefill else prefill_step_size)
         self.solo_prefill_step_size = max(1, -(-solo_step // prefill_step_size)) * prefill_step_size
+        # where the engine prefills (a CUDA GPU), a dummy prompt this long is fed once while idle
+        # so that MLX builds the attention graphs of the lone prefill's chunks (graph_warmup.py)
+        self.graph_warmup_tokens = graph_warmup_tokens if self.own_prefill else 0
+        self._graph_warmup: GraphWarmup | None = None
+        self.graph_warmup_progress: dict[str, Any] | None = None  # published for /api/status
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
         self._quantum_asked = prefill_quantum
         self.prefill_quantum = self._prefill_grid()
@@ -325,6 +332,7 @@ class LLMEngine:
             self._bg = self._new_batch_generator()
             with mx.stream(self._stream):
                 self._warm_up()
+            self._graph_warmup = self._new_graph_warmup()
             return True
         except BaseException as exc:  # reported to every waiter by wait_ready()
             DEVICE.check(exc)
@@ -397,6 +405,44 @@ class LLMEngine:
         mx.clear_cache()
         log.info("warmed up %s in %.2fs", self.model_id, time.perf_counter() - tic)
 
+    def _new_graph_warmup(self) -> GraphWarmup | None:
+        depth = min(self.graph_warmup_tokens, self.context_length or self.graph_warmup_tokens)
+        if depth < self.solo_prefill_step_size:
+            return None
+        from omlx.cache.setup import hot_tier_total_bytes  # the device's memory
+
+        token = next((t for t in self.tokenizer.encode("warm up") if t not in self.eos_ids), 0)
+        warmup = GraphWarmup(
+            self.model, depth, self.solo_prefill_step_size, token, int(hot_tier_total_bytes() * MEMORY_FRACTION)
+        )
+        self.graph_warmup_progress = warmup.progress()
+        return warmup
+
+    def _warm_graphs(self, idle: bool) -> None:
+        """One chunk of the graph warm-up when the engine is idle; pause it otherwise."""
+        warmup = self._graph_warmup
+        assert warmup is not None
+        if not idle:
+            warmup.pause()
+            return
+        try:
+            warmup.feed()
+        except Exception as exc:
+            if DEVICE.check(exc):
+                raise
+            log.warning("attention-graph warm-up of %s failed", self.model_id, exc_info=True)
+            warmup.close()
+            self._graph_warmup = None
+            return
+        self._buffers_dirty = True
+        self.graph_warmup_progress = warmup.progress()
+        if warmup.done:
+            self._graph_warmup = None
+            log.info(
+                "built the attention graphs of %s for prompts up to %d tokens in %.2fs (%d chunks, paused %d times for requests)",
+                self.model_id, warmup.depth, warmup.seconds, warmup.depth // warmup.step, warmup.pauses,
+            )  # fmt: skip
+
     def _run(self) -> None:
         if not self._load():
             self._close_prefix_cache(timeout=0.0)  # it may have been made before the failure
@@ -432,9 +478,12 @@ class LLMEngine:
             idle = not self._running and not self._waiting
             try:
                 moving = any(getattr(p, "needs_engine", False) for p in self._restoring.values())
-                self._drain_inbox(block=idle and not unwritten and not moving)
+                warming = self._graph_warmup is not None and idle and not self._restoring
+                self._drain_inbox(block=idle and not unwritten and not moving and not warming)
                 self._admit()
                 self._hold_writes(self._prefilling_alone())
+                if self._graph_warmup is not None:
+                    self._warm_graphs(idle=not self._running and not self._waiting and not self._restoring)
                 if self._running:
                     self._step()
                     self._buffers_dirty = True

@@ -276,6 +276,8 @@ class EnginePool:
                     "ttl": self.ttl_of(model_id),
                     "active_requests": getattr(engine, "active_count", 0) if engine else 0,
                     "waiting_requests": getattr(engine, "waiting_count", 0) if engine else 0,
+                    # CUDA: the idle engine's dummy prompt (graph_warmup.py), {tokens, target, done}
+                    "graph_warmup": getattr(engine, "graph_warmup_progress", None) if engine else None,
                 }
             )
         return out

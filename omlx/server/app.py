@@ -52,6 +52,7 @@ def llm_factory(
             prefill_step_size=settings.prefill_step_size,
             prefix_cache_factory=None if store is None else (lambda loaded: make_prefix_cache(store, loaded)),
             on_finished=on_finished,
+            graph_warmup_tokens=settings.graph_warmup_tokens,
         )
 
     return make

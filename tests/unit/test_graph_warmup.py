@@ -1,0 +1,156 @@
+"""An idle engine that prefills (a CUDA GPU) feeds a dummy prompt once, in the chunks a lone
+prompt is prefilled in, so that MLX's per-shape attention graphs exist before a user's long
+prompt needs them (graph_warmup.py).
+
+On the CPU there is no graph cache, but the shapes are the point: the warm-up must call the
+model's attention with exactly the (query, key) lengths a real lone prompt does, pause for
+requests without changing their answers, and stay within its memory budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from omlx.engine.graph_warmup import GraphWarmup
+from omlx.engine.llm_engine import LLMEngine
+from tests.unit.test_solo_sequence import PROMPT_A, alone, drive, request, run_one
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir / "tiny-llama"
+
+
+def warming_engine(model_path: Path, warmup_tokens: int, *, own_prefill: bool = True, step: int = 32) -> LLMEngine:
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_path))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    return LLMEngine(
+        "tiny", loader, max_concurrent=4, prefill_step_size=16, solo_prefill_step_size=step, own_prefill=own_prefill,
+        graph_warmup_tokens=warmup_tokens,
+    )  # fmt: skip
+
+
+@pytest.fixture()
+def attention_shapes(monkeypatch) -> list[tuple[int, int]]:
+    """(query length, key length) of every attention call the engine thread makes from here on."""
+    shapes: list[tuple[int, int]] = []
+    real = mx.fast.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        if threading.current_thread().name.startswith("engine:"):
+            shapes.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", spy)
+    return shapes
+
+
+async def warmed(engine: LLMEngine, timeout: float = 60.0) -> dict:
+    """The warm-up's progress once it is done."""
+    deadline = time.monotonic() + timeout
+    while not (engine.graph_warmup_progress or {}).get("done"):
+        assert time.monotonic() < deadline, engine.graph_warmup_progress
+        await asyncio.sleep(0.01)
+    return engine.graph_warmup_progress
+
+
+def test_the_warmup_meets_the_attention_shapes_of_a_lone_long_prompt(model_path: Path, attention_shapes) -> None:
+    engine = warming_engine(model_path, 100)  # whole chunks of 32: 96 tokens
+
+    async def main() -> tuple[list, list]:
+        await engine.wait_ready()
+        assert await warmed(engine) == {"tokens": 96, "target": 96, "done": True}
+        # what came before it: the load's kernel warm-up, prompts of at most 15 tokens
+        warmup = sorted({s for s in attention_shapes if s[0] > 15})
+        assert len(warmup) == len(set(attention_shapes)) - len({s for s in attention_shapes if s[0] <= 15})
+        del attention_shapes[:]
+        await run_one(engine, request("long", [5 + (i * 7) % 390 for i in range(100)], 2))
+        return warmup, sorted(set(attention_shapes))
+
+    warmup, prompt = drive(engine, main)
+    assert warmup == [(32, 32), (32, 64), (32, 96)]
+    assert set(warmup) <= set(prompt)  # the prompt's chunks reuse every graph the warm-up built
+    assert engine._graph_warmup is None  # its dummy cache is gone
+
+
+def test_requests_pause_the_warmup_and_are_answered_as_without_it(model_path: Path) -> None:
+    reqs = [request("a", PROMPT_A, 24), request("b", PROMPT_A[:17], 16, temperature=0.8, seed=3)]
+    expected = alone(model_path, reqs, solo=True, own_prefill=True)
+    engine = warming_engine(model_path, 2048, step=16)  # 128 chunks
+
+    async def main() -> tuple[list[dict], dict, int]:
+        await engine.wait_ready()
+        warmup = engine._graph_warmup
+        while not (engine.graph_warmup_progress or {}).get("tokens"):
+            await asyncio.sleep(0.001)
+        gate = threading.Event()  # holds the engine between two chunks until both are queued
+        held = asyncio.ensure_future(engine.call(gate.wait))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await held
+        outs = list(await asyncio.gather(*tasks))
+        return outs, await warmed(engine), warmup.pauses
+
+    outs, progress, paused = drive(engine, main)
+    for got, want in zip(outs, expected, strict=True):
+        assert (got["tokens"], got["finish"], got["usage"]) == (want["tokens"], want["finish"], want["usage"])
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    assert progress == {"tokens": 2048, "target": 2048, "done": True}  # resumed after them
+    assert paused == 1
+
+
+def test_a_paused_warmup_counts_its_pause_once() -> None:
+    warmup = GraphWarmup(model=None, depth=64, step=32, token=5, memory_budget=1 << 30)
+    warmup.pause()
+    assert warmup.pauses == 0  # nothing fed yet: not a pause of anything
+    warmup.fed = 32
+    warmup.pause()
+    warmup.pause()
+    assert warmup.pauses == 1
+
+
+def test_the_dummy_cache_stays_within_the_memory_budget(model_path: Path) -> None:
+    from mlx_lm import load
+
+    model, _ = load(str(model_path))
+    probe = GraphWarmup(model, depth=32, step=32, token=5, memory_budget=1 << 30)
+    probe.feed()
+    assert probe.done and probe._cache is None
+    warmup = GraphWarmup(model, depth=2048, step=256, token=5, memory_budget=0)
+    warmup.feed()
+    assert warmup.depth == 256 and warmup.done  # not even one more chunk fits
+    warmup = GraphWarmup(model, depth=2048, step=256, token=5, memory_budget=_kv_bytes_per_token(model) * 600)
+    while not warmup.done:
+        warmup.feed()
+    assert (warmup.depth, warmup.fed) == (512, 512)  # whole chunks within 600 tokens' worth
+
+
+def _kv_bytes_per_token(model) -> int:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[5] * 8]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return sum(c.keys[..., :8, :].nbytes + c.values[..., :8, :].nbytes for c in cache) // 8
+
+
+def test_only_an_engine_that_prefills_warms_graphs(model_path: Path) -> None:
+    engine = warming_engine(model_path, 96, own_prefill=False)
+    try:
+        asyncio.run(engine.wait_ready())
+        assert engine.graph_warmup_tokens == 0 and engine.graph_warmup_progress is None
+    finally:
+        engine.shutdown()
