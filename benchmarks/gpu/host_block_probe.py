@@ -8,7 +8,8 @@ bytes out (`HostBlock.of(copy=True)`) and back (`to_block`, then a device op), w
 (125 blocks x 16 layers x keys/values of (1, 8, 256, 64) bf16), and reads the device's free
 memory (PyTorch's `cuda.mem_get_info`, if there) after each step to see where pages are:
 
-  copy    the RAM tier's path: demote = host copy, restore = MLX array from host + device op
+  copy    the RAM tier's path: demote = host copy (tensor by tensor, as until 2026-12-01, or
+          packed on the device first, `HostBlock.of`), restore = MLX array from host + device op
   touch   keep the MLX arrays; demote = read them on MLX's CPU stream (do pages move to the
           host?), restore = a device op on them (do they move back, how fast?), twice
   host    MLX arrays made from host bytes ahead of time (CPU stream); restore = a device op
@@ -84,7 +85,7 @@ def main() -> None:
 
     import mlx.core as mx
 
-    from omlx.cache.block import CacheBlock, HostBlock
+    from omlx.cache.block import CacheBlock, HostBlock, packed, to_host
 
     out: dict[str, Any] = {"mlx": mx.__version__, "device": str(mx.default_device())}
 
@@ -95,11 +96,22 @@ def main() -> None:
         print(f"{name:<28} {seconds:7.3f} s  {size / seconds / 1e9:7.2f} GB/s  device free {moved:+.2f} GB"
               if moved is not None else f"{name:<28} {seconds:7.3f} s  {size / seconds / 1e9:7.2f} GB/s", flush=True)
 
-    # --- copy: today's RAM tier
+    # --- copy, as the RAM tier did until 2026-12-01: every tensor read by the host as it lies
     blocks = make_blocks(args.blocks)
     size = nbytes(blocks)
     out["GB"] = size / 1e9
     gpu_touch(blocks)  # kernels
+    free = device_free()
+    tic = PERF()
+    old = [packed(to_host(b)) for b in blocks]
+    seconds = PERF() - tic
+    del blocks, old
+    mx.clear_cache()
+    note("copy: demote, per tensor", seconds, size, free)
+
+    # --- copy: today's RAM tier (`HostBlock.of`: packed on the device, copied out in one piece)
+    blocks = make_blocks(args.blocks)
+    gpu_touch(blocks)
     free = device_free()
     tic = PERF()
     held = [HostBlock.of(CacheBlock(str(i), None, "f", 256, ["kv"] * LAYERS, b), copy=True) for i, b in enumerate(blocks)]

@@ -20,7 +20,7 @@ import pytest
 
 from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.llm_engine import LLMEngine
-from tests.unit.test_solo_sequence import PROMPT_A, alone, drive, request, run_one
+from tests.unit.test_solo_sequence import PROMPT_A, alone, assert_same, drive, request, run_one
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +105,10 @@ def test_requests_pause_the_warmup_and_are_answered_as_without_it(model_path: Pa
         return outs, await warmed(engine), warmup.pauses
 
     outs, progress, paused = drive(engine, main)
-    for got, want in zip(outs, expected, strict=True):
-        assert (got["tokens"], got["finish"], got["usage"]) == (want["tokens"], want["finish"], want["usage"])
-        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-4)
+    # batched with each other, unlike alone: on a GPU logprobs differ a little and the seeded
+    # draw may part (assert_same says why); on the CPU everything must match
+    assert_same(outs[0], expected[0])
+    assert_same(outs[1], expected[1], sampled_from=0)
     assert progress == {"tokens": 2048, "target": 2048, "done": True}  # resumed after them
     assert paused == 1
 
