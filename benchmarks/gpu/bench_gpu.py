@@ -1063,32 +1063,24 @@ def main() -> None:
                 log(results["b_error"])
             save()
 
-        if "f" in parts:
+        def run_part(name: str, part: Any) -> None:
+            """`results[name] = part()`; a failure is logged with every server's stacks, and
+            the parts after it still run."""
+            if name not in parts:
+                return
             try:
-                results["f"] = part_f(args, wl, tokenizer, pool, srv, peer)
+                results[name] = part()
             except Exception:
                 dump_servers(args.py_spy, servers)
-                results["f_error"] = traceback.format_exc()
-                log(results["f_error"])
+                results[f"{name}_error"] = traceback.format_exc()
+                log(results[f"{name}_error"])
             save()
 
+        run_part("f", lambda: part_f(args, wl, tokenizer, pool, srv, peer))
         if "c" in parts:
-            results["c"] = {}
-            try:
-                part_c(args, wl, model, tokenizer, srv, nc, ram, results["c"])
-            except Exception:
-                dump_servers(args.py_spy, servers)
-                results["c_error"] = traceback.format_exc()
-                log(results["c_error"])
-            save()
-        if "g" in parts:
-            try:
-                results["g"] = part_g(args, wl, models_root, homes, extra, servers)
-            except Exception:
-                dump_servers(args.py_spy, servers)
-                results["g_error"] = traceback.format_exc()
-                log(results["g_error"])
-            save()
+            results["c"] = {}  # filled as it goes: a failed row keeps the rows before it
+        run_part("c", lambda: part_c(args, wl, model, tokenizer, srv, nc, ram, results["c"]))
+        run_part("g", lambda: part_g(args, wl, models_root, homes, extra, servers))
     finally:
         with open(out_dir / f"servers-{args.shape}.log", "w") as logs:
             for s in servers:
@@ -1178,7 +1170,7 @@ def part_g(
 
 def part_c(
     args: Any, wl: Workload, model: Any, tokenizer: Any, srv: Server, nc: Server, ram: Server, c: dict[str, Any]
-) -> None:
+) -> dict[str, Any]:
     lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
     k = args.new_tokens
     c.update({"lengths": lengths, "new_tokens": k, "rows": {}})
@@ -1283,6 +1275,7 @@ def part_c(
     log(f"(c) tiers: {json.dumps({k: round(v, 2) for k, v in c['tiers'].items()})}")
     srv.start()  # the finally block stops it again
     srv.wait_ready()
+    return c
 
 
 def print_table(r: dict[str, Any]) -> None:

@@ -20,7 +20,15 @@ import pytest
 
 from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.llm_engine import LLMEngine
-from tests.unit.test_solo_sequence import PROMPT_A, alone, assert_same, drive, request, run_one
+from tests.unit.test_solo_sequence import (
+    PROMPT_A,
+    alone,
+    assert_same,
+    drive,
+    request,
+    run_one,
+    together,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +102,8 @@ def test_requests_pause_the_warmup_and_are_answered_as_without_it(model_path: Pa
         warmup = engine._graph_warmup
         while not (engine.graph_warmup_progress or {}).get("tokens"):
             await asyncio.sleep(0.001)
-        gate = threading.Event()  # holds the engine between two chunks until both are queued
-        held = asyncio.ensure_future(engine.call(gate.wait))
-        await asyncio.sleep(0.05)
-        tasks = [asyncio.create_task(run_one(engine, r)) for r in reqs]
-        await asyncio.sleep(0.05)
-        gate.set()
-        await held
-        outs = list(await asyncio.gather(*tasks))
-        return outs, await warmed(engine), warmup.pauses
+        outs = await together(engine, reqs)  # queued between two chunks of the warm-up
+        return list(outs), await warmed(engine), warmup.pauses
 
     outs, progress, paused = drive(engine, main)
     # batched with each other, unlike alone: on a GPU logprobs differ a little and the seeded
