@@ -272,9 +272,24 @@ class Server:
         while time.time() < deadline:
             st = httpx.get(f"{self.url}/api/status", timeout=10).json()
             if st["active_requests"] == 0 and st["waiting_requests"] == 0:
-                break
+                return PERF() - tic
             time.sleep(0.05)
-        return PERF() - tic
+        raise RuntimeError(f"{self.label} still busy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def wait_warmed(self, timeout: float = 300) -> dict[str, Any] | None:
+        """Until the model's attention-graph warm-up is over (it goes on between requests:
+        a timed request could meet one of its chunks); its last progress (None: it has none)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            models = httpx.get(f"{self.url}/api/status", timeout=10).json()["models"]
+            entry = next((m for m in models if m["id"] == self.model), None)
+            if entry is None:
+                raise RuntimeError(f"{self.label}: no model {self.model} in /api/status")
+            progress = entry.get("graph_warmup")
+            if progress is None or progress.get("done") or progress.get("error"):
+                return progress
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.label}: graph warm-up not over after {timeout:.0f}s:\n{self.log_tail()}")
 
     def wait_demoted(self, timeout: float = 60) -> None:
         """Until the blocks the hot tier let go have been copied to RAM (an idle engine does it)."""
@@ -1149,13 +1164,8 @@ def part_g(
         try:
             row: dict[str, Any] = {"load_s": s.wait_ready()}
             ttft(s.url, wl.body(wl.prompt(args.prompt_tokens), 2))
-            tic, deadline = PERF(), time.time() + 300
-            while time.time() < deadline:
-                progress = httpx.get(f"{s.url}/api/status", timeout=10).json()["models"]
-                progress = next((m.get("graph_warmup") for m in progress if m["id"] == args.shape), None)
-                if progress is None or progress.get("done"):
-                    break
-                time.sleep(0.1)
+            tic = PERF()
+            progress = s.wait_warmed()
             row.update(warmup=progress, waited_s=PERF() - tic)
             row["first"], _ = ttft(s.url, wl.body(wl.prompt(n), 2))
             row["second"], _ = ttft(s.url, wl.body(wl.prompt(n), 2))
@@ -1197,6 +1207,7 @@ def part_c(
             ram.wait_demoted()
             for s in (nc, srv, ram):
                 s.wait_idle()
+                s.wait_warmed()
 
         quiet()
         row["nocache_cold"], _ = min(
@@ -1241,6 +1252,7 @@ def part_c(
     nc.wait_ready()
     for s in (srv, nc):
         ttft(s.url, wl.body(wl.prompt(args.prompt_tokens), 2))  # kernels
+        s.wait_warmed()
     # A new prompt of each row's length on both: its prefill from depth 0 builds the attention
     # graphs (~40 ms each on an H200) of the chunks the rows' prompts end in. Without it the
     # --no-cache server built them on its first row request, and the cache server, whose first
@@ -1252,6 +1264,9 @@ def part_c(
     for n in lengths:
         p, row = prompts[n], c["rows"][n]
         srv.wait_ssd_writes()
+        for s in (srv, nc):
+            s.wait_idle()
+            s.wait_warmed()
         s1, row["ssd_cached_tokens"] = ttft(srv.url, wl.body(p["pb"] + p["x3"], 2))
         s2, _ = ttft(srv.url, wl.body(p["pa"] + p["x4"], 2))
         row["ssd_restore"], row["ssd_restore_first"] = min(s1, s2), s1

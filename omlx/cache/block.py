@@ -151,6 +151,8 @@ def packed_on_device(tensors: Mapping[str, mx.array]) -> HostTensors:
         parts.append(t.reshape(-1).view(mx.uint8))
         layout.append((name, dt, tuple(t.shape), at, int(t.nbytes)))
         at += int(t.nbytes)
+    if not parts:
+        return {}
     buffer = np.array(parts[0] if len(parts) == 1 else mx.concatenate(parts))
     return {name: (dt, shape, buffer[a : a + n]) for name, dt, shape, a, n in layout}
 

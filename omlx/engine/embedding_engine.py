@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from omlx.engine import activity
 from omlx.engine.device_fault import DEVICE
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.discovery import ModelInfo
@@ -90,6 +91,7 @@ class EncoderEngine:
         self._load_error: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
+        activity.register(self)  # its batches hold off other engines' idle GPU work
         self._thread = threading.Thread(
             target=self._run, name=f"{self.kind}:{model_id}", daemon=True
         )
@@ -146,10 +148,13 @@ class EncoderEngine:
             self._ready.set()
 
     def _run(self) -> None:
-        if not self._load():
-            return
-        with mx.stream(mx.new_stream(mx.default_device())):  # its own, not the shared default
-            self._loop()
+        try:
+            if not self._load():
+                return
+            with mx.stream(mx.new_stream(mx.default_device())):  # its own, not the shared default
+                self._loop()
+        finally:
+            activity.unregister(self)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -20,17 +20,21 @@ from mlx_lm.models.cache import make_prompt_cache
 
 log = logging.getLogger("omlx.engine")
 
-# At most this share of the device's memory holds the dummy prompt's KV cache (1 GB at 32,000
+# About this share of the device's memory holds the dummy prompt's KV cache (1 GB at 32,000
 # tokens for a 1B Llama, 4.2 GB for an 8B one): on a smaller GPU it stops short of the depth.
 MEMORY_FRACTION = 0.05
+# Interrupted this many times by requests, it gives up: a server that busy builds the graphs
+# with its users' prompts anyway.
+MAX_RESTARTS = 8
 
 
 class GraphWarmup:
     """A dummy prompt of `depth` tokens, fed one `step`-sized chunk per `feed` call.
 
-    The engine calls `feed` only while no request waits, so a request that arrives meets at
-    most one chunk in its way; the cache stays between calls, so the warm-up resumes where
-    it paused rather than starting over."""
+    The engine calls `feed` only while no engine of the process has requests, so a request
+    that arrives meets at most one chunk in its way. Requests `pause` it: its cache is dropped
+    (it never holds memory that requests may need) and the next idle spell starts it over,
+    where chunks whose graphs exist already cost only their compute."""
 
     def __init__(self, model: Any, depth: int, step: int, token: int, memory_budget: int) -> None:
         self.model = model
@@ -40,28 +44,39 @@ class GraphWarmup:
         self.memory_budget = memory_budget
         self.fed = 0
         self.seconds = 0.0  # spent feeding (not waiting between chunks)
-        self.pauses = 0  # times requests came before it was done
-        self._paused = False
+        self.pauses = 0  # times requests interrupted it
+        self.error: str | None = None  # why it stopped short (it failed, or gave up)
         self._cache: list[Any] | None = None
 
     @property
     def done(self) -> bool:
         return self.fed >= self.depth
 
+    @property
+    def over(self) -> bool:
+        """Done, failed or given up: the engine can forget it."""
+        return self.done or self.error is not None
+
     def progress(self) -> dict[str, Any]:
-        return {"tokens": self.fed, "target": self.depth, "done": self.done}
+        out: dict[str, Any] = {"tokens": self.fed, "target": self.depth, "done": self.done}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
     def pause(self) -> None:
-        """The engine has requests: no chunk now (counted once per pause, for the log)."""
-        if self.fed and not self._paused:
-            self.pauses += 1
-            self._paused = True
+        """Requests came: drop what was fed (counted once per interruption)."""
+        if self._cache is None:
+            return
+        self._cache = None
+        self.fed = 0
+        self.pauses += 1
+        if self.pauses >= MAX_RESTARTS:
+            self.error = f"gave up after {self.pauses} interruptions by requests"
 
     def feed(self) -> None:
         """One chunk through the model (blocking: the engine has nothing else to do)."""
-        if self.done:
+        if self.over:
             return
-        self._paused = False
         tic = time.perf_counter()
         if self._cache is None:
             self._cache = make_prompt_cache(self.model)
@@ -78,9 +93,11 @@ class GraphWarmup:
         if self.done:
             self._cache = None
 
-    def close(self) -> None:
-        """Drop the dummy prompt's cache (an engine that stops or fails)."""
+    def close(self, reason: str) -> None:
+        """Stop for good (it failed, or its engine stops), dropping the dummy cache."""
         self._cache = None
+        if not self.done and self.error is None:
+            self.error = reason
 
 
 def _nbytes(state: Any) -> int:

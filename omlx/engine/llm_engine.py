@@ -30,9 +30,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
+from omlx.engine import activity
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.device_fault import DEVICE, DeviceLostError
-from omlx.engine.graph_warmup import MEMORY_FRACTION, GraphWarmup
+from omlx.engine.graph_warmup import MAX_RESTARTS, MEMORY_FRACTION, GraphWarmup
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
@@ -188,7 +189,7 @@ class LLMEngine:
         self.solo_prefill_step_size = max(1, -(-solo_step // prefill_step_size)) * prefill_step_size
         # where the engine prefills (a CUDA GPU), a dummy prompt this long is fed once while idle
         # so that MLX builds the attention graphs of the lone prefill's chunks (graph_warmup.py)
-        self.graph_warmup_tokens = graph_warmup_tokens if self.own_prefill else 0
+        self.graph_warmup_tokens = graph_warmup_tokens if self.own_prefill and solo else 0
         self._graph_warmup: GraphWarmup | None = None
         self.graph_warmup_progress: dict[str, Any] | None = None  # published for /api/status
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
@@ -228,6 +229,7 @@ class LLMEngine:
         self._outbox_lock = threading.Lock()
         self._bg: BatchGenerator | None = None
         self._stream: mx.Stream | None = None  # created on the engine thread
+        activity.register(self)
         self._thread = threading.Thread(target=self._run, name=f"engine:{model_id}", daemon=True)
         self._thread.start()
 
@@ -419,31 +421,40 @@ class LLMEngine:
         return warmup
 
     def _warm_graphs(self, idle: bool) -> None:
-        """One chunk of the graph warm-up when the engine is idle; pause it otherwise."""
+        """One chunk of the graph warm-up when the process is idle; pause it otherwise."""
         warmup = self._graph_warmup
         assert warmup is not None
         if not idle:
             warmup.pause()
-            return
-        try:
-            warmup.feed()
-        except Exception as exc:
-            if DEVICE.check(exc):
-                raise
-            log.warning("attention-graph warm-up of %s failed", self.model_id, exc_info=True)
-            warmup.close()
-            self._graph_warmup = None
-            return
-        self._buffers_dirty = True
+        else:
+            try:
+                warmup.feed()
+                trim_buffer_cache()  # its cache grows by concatenation, as a prompt's does
+            except Exception as exc:
+                if DEVICE.check(exc):
+                    raise
+                log.warning("attention-graph warm-up of %s failed", self.model_id, exc_info=True)
+                warmup.close(f"failed: {exc}")
         self.graph_warmup_progress = warmup.progress()
+        if not warmup.over:
+            return
+        self._graph_warmup = None
+        self._buffers_dirty = True  # what it left in MLX's buffer cache goes when idle
         if warmup.done:
-            self._graph_warmup = None
             log.info(
-                "built the attention graphs of %s for prompts up to %d tokens in %.2fs (%d chunks, paused %d times for requests)",
+                "built the attention graphs of %s for prompts up to %d tokens in %.2fs (%d chunks, started over %d times after requests)",
                 self.model_id, warmup.depth, warmup.seconds, warmup.depth // warmup.step, warmup.pauses,
             )  # fmt: skip
+        elif warmup.pauses >= MAX_RESTARTS:
+            log.info("attention-graph warm-up of %s: %s", self.model_id, warmup.error)
 
     def _run(self) -> None:
+        try:
+            self._load_and_loop()
+        finally:
+            activity.unregister(self)
+
+    def _load_and_loop(self) -> None:
         if not self._load():
             self._close_prefix_cache(timeout=0.0)  # it may have been made before the failure
             return
@@ -452,6 +463,8 @@ class LLMEngine:
                 try:
                     self._loop()
                 finally:  # stopping: what waits for the SSD goes now (shutdown() joins for 10 s)
+                    if self._graph_warmup is not None:
+                        self._graph_warmup.close("the engine stopped")
                     self._hold_writes(False)
                     self._close_prefix_cache(timeout=8.0)
         finally:
@@ -478,12 +491,16 @@ class LLMEngine:
             idle = not self._running and not self._waiting
             try:
                 moving = any(getattr(p, "needs_engine", False) for p in self._restoring.values())
-                warming = self._graph_warmup is not None and idle and not self._restoring
+                # the graph warm-up goes on only while no engine of the process has requests
+                warming = (
+                    self._graph_warmup is not None and idle and not self._restoring and not activity.others_busy(self)
+                )
                 self._drain_inbox(block=idle and not unwritten and not moving and not warming)
                 self._admit()
                 self._hold_writes(self._prefilling_alone())
                 if self._graph_warmup is not None:
-                    self._warm_graphs(idle=not self._running and not self._waiting and not self._restoring)
+                    alone = not self._running and not self._waiting and not self._restoring
+                    self._warm_graphs(idle=alone and not activity.others_busy(self))
                 if self._running:
                     self._step()
                     self._buffers_dirty = True

@@ -268,7 +268,7 @@ def test_system_counts_requests_and_tokens(server, admin):
     entry = admin.get("/api/status").json()["models"][0]
     assert entry["id"] == "tiny-llama"
     # only a CUDA engine warms attention graphs, up to its context window (the tiny model's 2,048)
-    assert entry["graph_warmup"] in (None, {"tokens": 2048, "target": 2048, "done": True})
+    assert entry["graph_warmup"] is None or entry["graph_warmup"]["target"] == 2048
 
 
 # ----- model files ---------------------------------------------------------------------

@@ -79,9 +79,8 @@ def test_the_warmup_meets_the_attention_shapes_of_a_lone_long_prompt(model_path:
     async def main() -> tuple[list, list]:
         await engine.wait_ready()
         assert await warmed(engine) == {"tokens": 96, "target": 96, "done": True}
-        # what came before it: the load's kernel warm-up, prompts of at most 15 tokens
+        # what came before it was the load's kernel warm-up: prompts of at most 15 tokens
         warmup = sorted({s for s in attention_shapes if s[0] > 15})
-        assert len(warmup) == len(set(attention_shapes)) - len({s for s in attention_shapes if s[0] <= 15})
         del attention_shapes[:]
         await run_one(engine, request("long", [5 + (i * 7) % 390 for i in range(100)], 2))
         return warmup, sorted(set(attention_shapes))
@@ -110,18 +109,76 @@ def test_requests_pause_the_warmup_and_are_answered_as_without_it(model_path: Pa
     # draw may part (assert_same says why); on the CPU everything must match
     assert_same(outs[0], expected[0])
     assert_same(outs[1], expected[1], sampled_from=0)
-    assert progress == {"tokens": 2048, "target": 2048, "done": True}  # resumed after them
+    assert progress == {"tokens": 2048, "target": 2048, "done": True}  # started over after them
     assert paused == 1
 
 
-def test_a_paused_warmup_counts_its_pause_once() -> None:
-    warmup = GraphWarmup(model=None, depth=64, step=32, token=5, memory_budget=1 << 30)
+def test_a_pause_drops_what_was_fed_and_enough_of_them_end_it(model_path: Path) -> None:
+    from mlx_lm import load
+
+    from omlx.engine.graph_warmup import MAX_RESTARTS
+
+    model, _ = load(str(model_path))
+    warmup = GraphWarmup(model, depth=96, step=32, token=5, memory_budget=1 << 30)
     warmup.pause()
-    assert warmup.pauses == 0  # nothing fed yet: not a pause of anything
-    warmup.fed = 32
-    warmup.pause()
-    warmup.pause()
-    assert warmup.pauses == 1
+    assert warmup.pauses == 0  # nothing fed yet: nothing to drop
+    for n in range(1, MAX_RESTARTS + 1):
+        warmup.feed()
+        assert warmup.progress() == {"tokens": 32, "target": 96, "done": False}
+        warmup.pause()
+        warmup.pause()  # the same interruption, seen again next loop
+        assert (warmup.pauses, warmup.fed, warmup._cache) == (n, 0, None)  # no memory held meanwhile
+    assert warmup.over and warmup.error == f"gave up after {MAX_RESTARTS} interruptions by requests"
+    warmup.feed()
+    assert warmup.fed == 0
+
+
+def test_the_warmup_waits_while_another_engine_serves(model_path: Path) -> None:
+    busy = warming_engine(model_path, 0)
+    long_request = request("long", PROMPT_A, 600)  # EOS-like ids are biased away: all 600 tokens
+    warming: list[LLMEngine] = []
+
+    async def main() -> tuple[list[int], dict]:
+        await busy.wait_ready()
+        task = asyncio.create_task(run_one(busy, long_request))
+        while not busy.active_count:
+            await asyncio.sleep(0.005)
+        warming.append(warming_engine(model_path, 96))
+        await warming[0].wait_ready()
+        seen = []
+        while not task.done():
+            seen.append((warming[0].graph_warmup_progress or {}).get("tokens", -1))
+            await asyncio.sleep(0.01)
+        assert (await task)["usage"] == (len(PROMPT_A), 600)
+        return seen, await warmed(warming[0])
+
+    try:
+        seen, progress = drive(busy, main)
+    finally:
+        for engine in warming:
+            engine.shutdown()
+    assert seen and set(seen) == {0}  # not one chunk while the other engine had a request
+    assert progress == {"tokens": 96, "target": 96, "done": True}  # then it ran
+
+
+def test_a_failed_warmup_says_so_and_the_engine_serves(model_path: Path, monkeypatch) -> None:
+    def broken(self) -> None:
+        raise RuntimeError("no graph for you")
+
+    monkeypatch.setattr(GraphWarmup, "feed", broken)
+    engine = warming_engine(model_path, 96)
+
+    async def main() -> tuple[dict, dict]:
+        await engine.wait_ready()
+        deadline = time.monotonic() + 30
+        while "error" not in (engine.graph_warmup_progress or {}):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return engine.graph_warmup_progress, await run_one(engine, request("r", PROMPT_A, 4))
+
+    progress, out = drive(engine, main)
+    assert progress == {"tokens": 0, "target": 96, "done": False, "error": "failed: no graph for you"}
+    assert out["finish"] == "length" and len(out["tokens"]) == 4 and engine._graph_warmup is None
 
 
 def test_the_dummy_cache_stays_within_the_memory_budget(model_path: Path) -> None:
