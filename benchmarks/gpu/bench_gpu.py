@@ -796,6 +796,7 @@ def main() -> None:
     ap.add_argument(
         "--new-tokens", type=int, default=64, help="Tokens appended to a cached prompt (c)."
     )
+    ap.add_argument("--ttft-samples", type=int, default=3, help="Prompts timed per path and length in (c); the best counts.")
     ap.add_argument(
         "--prefill-step-size",
         type=int,
@@ -1181,62 +1182,67 @@ def part_g(
 def part_c(
     args: Any, wl: Workload, model: Any, tokenizer: Any, srv: Server, nc: Server, ram: Server, c: dict[str, Any]
 ) -> dict[str, Any]:
+    """TTFT of prompts of each `--ttft-lengths` on every path, `--ttft-samples` (m) new prompts
+    or suffixes each, the best of them per path (the same server's prefill of one length moved
+    by up to ±10% between requests on the H200). Each cache row is compared with the
+    `--no-cache` row of the same prompt lengths: a miss with fresh prompts of n tokens, hot and
+    RAM restores with n + `--new-tokens` ones, the SSD after a restart with a restarted
+    `--no-cache` server."""
     lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
-    k = args.new_tokens
-    c.update({"lengths": lengths, "new_tokens": k, "rows": {}})
-    prompts: dict[int, dict[str, list[int]]] = {}
-    for n in lengths:
-        p = {name: wl.prompt(n) for name in ("warm", "pa", "pb")}
-        p.update({f"x{i}": wl.prompt(k) for i in range(1, 7)})
-        prompts[n] = p
-        row: dict[str, Any] = {}
-        raw_decode(model, tokenizer, p["warm"], 1, wl.eos)  # same shapes, so kernels are ready
-        row["raw_mlx_lm_ttft"] = raw_decode(model, tokenizer, p["pb"], 1, wl.eos)[
-            "ttft"
-        ]  # prefill step 2048
-        # warm both servers for this length: prefill shapes, then a restore of n + k tokens
+    k, m = args.new_tokens, args.ttft_samples
+    c.update({"lengths": lengths, "new_tokens": k, "samples": m, "rows": {}})
+    prompts: dict[int, dict[str, list[list[int]]]] = {}
+
+    def quiet() -> None:
+        """Every server done with its background work (the cache server's SSD writes checksum
+        and copy GBs on the host: at 8B, a --no-cache prefill timed while they ran came out
+        ~10% slower) and its graph warm-up, so that a timed request competes with nothing."""
+        srv.wait_ssd_writes()
+        ram.wait_demoted()
         for s in (nc, srv, ram):
-            ttft(s.url, wl.body(p["warm"], 2))
-            ttft(s.url, wl.body(p["warm"] + p["x1"], 2))
+            s.wait_idle()
+            s.wait_warmed()
 
-        def quiet() -> None:
-            """Every server done with its background work (the cache server's SSD writes
-            checksum and copy GBs on the host: at 8B, a --no-cache prefill timed while they
-            ran came out ~10% slower), so that a timed request competes with nothing."""
-            srv.wait_ssd_writes()
-            ram.wait_demoted()
-            for s in (nc, srv, ram):
-                s.wait_idle()
-                s.wait_warmed()
+    def timed(server: Server, bodies: list[list[int]], row: dict[str, Any], name: str) -> None:
+        """`row[name]`: the best TTFT of `bodies` on `server`; every sample and the tokens the
+        first one found cached are kept too."""
+        got = [ttft(server.url, wl.body(b, 2)) for b in bodies]
+        row[name] = min(t for t, _ in got)
+        row[f"{name}_samples"] = [round(t, 4) for t, _ in got]
+        row[f"{name}_cached_tokens"] = got[0][1]
 
+    for n in lengths:
+        p = {"warm": [wl.prompt(n)], "P": [wl.prompt(n) for _ in range(m)]}
+        p.update({name: [wl.prompt(k) for _ in range(m)] for name in ("X", "H", "R", "S", "Z")})
+        prompts[n] = p
+        P, row = p["P"], {}
+        raw_decode(model, tokenizer, p["warm"][0], 1, wl.eos)  # same shapes, so kernels are ready
+        row["raw_mlx_lm_ttft"] = min(raw_decode(model, tokenizer, q, 1, wl.eos)["ttft"] for q in P[:2])
+        # warm every server for this length: prefill shapes, then a restore of n + k tokens
+        for s in (nc, srv, ram):
+            ttft(s.url, wl.body(p["warm"][0], 2))
+            ttft(s.url, wl.body(p["warm"][0] + p["X"][0], 2))
         quiet()
-        row["nocache_cold"], _ = min(
-            ttft(nc.url, wl.body(p["pa"], 2)), ttft(nc.url, wl.body(p["pb"], 2))
-        )
+        timed(nc, P, row, "nocache_cold")
         quiet()
-        miss_a, _ = ttft(srv.url, wl.body(p["pa"], 2))
-        row["cache_miss_b"], _ = ttft(srv.url, wl.body(p["pb"], 2))
-        row["cache_miss"] = min(miss_a, row["cache_miss_b"])  # best of two, as for no-cache
+        timed(srv, P, row, "cache_miss")  # the same prompts: new to this server
         quiet()
-        row["nocache_extended"], _ = ttft(nc.url, wl.body(p["pa"] + p["x1"], 2))
-        h1, row["hot_cached_tokens"] = ttft(srv.url, wl.body(p["pa"] + p["x1"], 2))
-        h2, _ = ttft(srv.url, wl.body(p["pa"] + p["x2"], 2))
-        row["hot_restore"], row["hot_restore_first"] = min(h1, h2), h1
+        timed(nc, [P[0] + x for x in p["H"]], row, "nocache_extended")
         quiet()
-        ttft(ram.url, wl.body(p["pa"], 2))  # a miss; its blocks go straight through to RAM
+        timed(srv, [P[0] + x for x in p["H"]], row, "hot_restore")
+        quiet()
+        ttft(ram.url, wl.body(P[0], 2))  # a miss; its blocks go straight through to RAM
         # a hot tier that holds no block: the engine copies them to RAM as the request ends
         # (seen: 8 s for 4.2 GB at 8B, during which a new request waits), or when idle
         row["ram_store_wait_s"] = ram.wait_idle()
-        ram.wait_demoted()  # copied there by the idle engine: the next two are RAM restores
         quiet()
-        r1, row["ram_cached_tokens"] = ttft(ram.url, wl.body(p["pa"] + p["x1"], 2))
-        r2, _ = ttft(ram.url, wl.body(p["pa"] + p["x2"], 2))
-        row["ram_restore"], row["ram_restore_first"] = min(r1, r2), r1
+        timed(ram, [P[0] + x for x in p["R"]], row, "ram_restore")
         c["rows"][n] = row
         log(
             f"(c) {n} tokens: raw {row['raw_mlx_lm_ttft']:.3f}s  nocache {row['nocache_cold']:.3f}s  "
-            f"miss {row['cache_miss']:.3f}s  hot {row['hot_restore']:.3f}s ({row['hot_cached_tokens']} cached)  "
-            f"RAM {row['ram_restore']:.3f}s ({row['ram_cached_tokens']} cached)"
+            f"miss {row['cache_miss']:.3f}s  nocache +{k} {row['nocache_extended']:.3f}s  "
+            f"hot {row['hot_restore']:.3f}s ({row['hot_restore_cached_tokens']} cached)  "
+            f"RAM {row['ram_restore']:.3f}s ({row['ram_restore_cached_tokens']} cached)"
         )
     srv.wait_ssd_writes()
     c["ssd_stats_before_restart"] = srv.cache_stats()
@@ -1263,25 +1269,18 @@ def part_c(
             ttft(s.url, wl.body(wl.prompt(n + k), 2))
     for n in lengths:
         p, row = prompts[n], c["rows"][n]
-        srv.wait_ssd_writes()
-        for s in (srv, nc):
-            s.wait_idle()
-            s.wait_warmed()
-        s1, row["ssd_cached_tokens"] = ttft(srv.url, wl.body(p["pb"] + p["x3"], 2))
-        s2, _ = ttft(srv.url, wl.body(p["pa"] + p["x4"], 2))
-        row["ssd_restore"], row["ssd_restore_first"] = min(s1, s2), s1
-        srv.wait_ssd_writes()
-        f1, _ = ttft(nc.url, wl.body(p["pb"] + p["x5"], 2))
-        f2, _ = ttft(nc.url, wl.body(p["pa"] + p["x6"], 2))
-        row["nocache_restarted"], row["nocache_restarted_first"] = min(f1, f2), f1
-        base = min(row["nocache_extended"], row["nocache_restarted"])
-        row["slower_with_cache"] = [
-            name for name in ("cache_miss", "hot_restore", "ram_restore") if row[name] > base * 1.05
-        ] + (["ssd_restore"] if row["ssd_restore"] > row["nocache_restarted"] * 1.05 else [])
+        quiet()
+        # each of the row's prompts was stored by its miss: restored from the SSD, or recomputed
+        timed(srv, [q + x for q, x in zip(p["P"], p["S"], strict=True)], row, "ssd_restore")
+        quiet()
+        timed(nc, [q + x for q, x in zip(p["P"], p["Z"], strict=True)], row, "nocache_restarted")
+        pairs = {"cache_miss": "nocache_cold", "hot_restore": "nocache_extended",
+                 "ram_restore": "nocache_extended", "ssd_restore": "nocache_restarted"}  # fmt: skip
+        row["slower_with_cache"] = [name for name, base in pairs.items() if row[name] > row[base] * 1.05]
         log(
-            f"(c) {n} tokens after restart: ssd {row['ssd_restore']:.3f}s (first {s1:.3f}s, "
-            f"{row['ssd_cached_tokens']} cached) vs a restarted --no-cache server {row['nocache_restarted']:.3f}s "
-            f"(first {f1:.3f}s); long-running --no-cache {row['nocache_extended']:.3f}s"
+            f"(c) {n} tokens after restart: ssd {row['ssd_restore']:.3f}s "
+            f"({row['ssd_restore_samples']}, first found {row['ssd_restore_cached_tokens']} cached) "
+            f"vs a restarted --no-cache server {row['nocache_restarted']:.3f}s ({row['nocache_restarted_samples']})"
         )
     c["cache_stats_after"] = srv.cache_stats()
     srv.wait_ssd_writes()
@@ -1318,7 +1317,8 @@ def print_table(r: dict[str, Any]) -> None:
         for n, row in r["c"].get("rows", {}).items():
             print(
                 f"(c) {n:>6} tok TTFT: raw {row['raw_mlx_lm_ttft']:.3f}s | no-cache {row['nocache_cold']:.3f}s | "
-                f"miss {row['cache_miss']:.3f}s | hot {row['hot_restore']:.3f}s | RAM {row.get('ram_restore', float('nan')):.3f}s | SSD after restart "
+                f"miss {row['cache_miss']:.3f}s | no-cache +{r['c']['new_tokens']} {row['nocache_extended']:.3f}s | "
+                f"hot {row['hot_restore']:.3f}s | RAM {row.get('ram_restore', float('nan')):.3f}s | SSD after restart "
                 f"{row.get('ssd_restore', float('nan')):.3f}s vs no-cache restarted "
                 f"{row.get('nocache_restarted', float('nan')):.3f}s | slower with cache: {row.get('slower_with_cache')}"
             )
