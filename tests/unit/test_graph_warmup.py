@@ -135,7 +135,7 @@ def test_a_pause_drops_what_was_fed_and_enough_of_them_end_it(model_path: Path) 
 
 def test_the_warmup_waits_while_another_engine_serves(model_path: Path) -> None:
     busy = warming_engine(model_path, 0)
-    long_request = request("long", PROMPT_A, 600)  # EOS-like ids are biased away: all 600 tokens
+    long_request = request("long", PROMPT_A, 1500)  # EOS-like ids are biased away: all 1,500 tokens
     warming: list[LLMEngine] = []
 
     async def main() -> tuple[list[int], dict]:
@@ -149,7 +149,7 @@ def test_the_warmup_waits_while_another_engine_serves(model_path: Path) -> None:
         while not task.done():
             seen.append((warming[0].graph_warmup_progress or {}).get("tokens", -1))
             await asyncio.sleep(0.01)
-        assert (await task)["usage"] == (len(PROMPT_A), 600)
+        assert (await task)["usage"] == (len(PROMPT_A), 1500)
         return seen, await warmed(warming[0])
 
     try:
