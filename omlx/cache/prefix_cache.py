@@ -421,6 +421,9 @@ class PrefixCache(PrefixCacheHooks):
         # directory moved to other hardware starts over).
         self._costs_path: Path | None = None
         self._costs_saved = 0.0
+        self._costs_version = 0  # states handed to a writer thread, and the newest written
+        self._costs_written = 0
+        self._costs_lock = threading.Lock()
         if store.ssd is not None:
             device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
             self._costs_path = store.ssd.directory / "costs" / f"{fingerprint}-{device}.json"
@@ -967,6 +970,7 @@ class PrefixCache(PrefixCacheHooks):
         still waits (for up to `timeout` s), and stop following the store's evictions."""
         if self.tiers.demote_bound:
             self.tiers.disown(self.fp)
+        self._save_costs(force=True, wait=True)  # the newest measurements, whatever was saved before
         deadline = time.monotonic() + timeout
         while self._unwritten and time.monotonic() < deadline:
             if not self.write_back(idle=True) and self._unwritten:
@@ -1041,8 +1045,11 @@ class PrefixCache(PrefixCacheHooks):
         except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad file only costs the history
             log.warning("ignoring the saved cache measurements in %s: %s", self._costs_path, exc)
 
-    def _save_costs(self, force: bool = False) -> None:
-        """At most every few seconds (prefills are frequent); restores save at once."""
+    def _save_costs(self, force: bool = False, wait: bool = False) -> None:
+        """At most every few seconds (prefills are frequent); restores save at once. Written by
+        a short-lived thread: these calls come before a request's first token or in its
+        restore, and on the engine thread even a small file's write and rename can wait
+        behind the SSD writer's fsyncs. `wait` (the engine stops) writes here and now."""
         now = time.monotonic()
         if self._costs_path is None or (not force and now - self._costs_saved < 5.0):
             return
@@ -1053,13 +1060,28 @@ class PrefixCache(PrefixCacheHooks):
             "warm_restores": self.warm_rate.state(),
             "bytes_per_token": self.bytes_per_token,
         }
-        tmp = self._costs_path.with_name(f"{self._costs_path.name}.{os.getpid()}.tmp")
-        try:
-            self._costs_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, self._costs_path)
-        except OSError as exc:  # a full or read-only disk: the cache works on without history
-            log.warning("could not save the cache measurements to %s: %s", self._costs_path, exc)
+        self._costs_version += 1
+        job = (self._costs_version, json.dumps(state))
+        if wait:
+            self._write_costs(*job)
+        else:
+            threading.Thread(target=self._write_costs, args=job, name="omlx-cache-costs", daemon=True).start()
+
+    def _write_costs(self, version: int, text: str) -> None:
+        """Write one saved state unless a newer one was written already (threads may finish
+        out of order)."""
+        assert self._costs_path is not None
+        with self._costs_lock:
+            if version <= self._costs_written:
+                return
+            tmp = self._costs_path.with_name(f"{self._costs_path.name}.{os.getpid()}.tmp")
+            try:
+                self._costs_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(text)
+                os.replace(tmp, self._costs_path)
+                self._costs_written = version
+            except OSError as exc:  # a full or read-only disk: the cache works on without history
+                log.warning("could not save the cache measurements to %s: %s", self._costs_path, exc)
 
 
 def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:

@@ -55,9 +55,39 @@ def stored(root: Path, tokens: list[int]) -> None:
 def test_measurements_survive_a_restart(tmp_path: Path) -> None:
     cache = open_cache(tmp_path)
     cache.observe_prefill(1000, 0, 0.5)
+    cache.close(timeout=1.0)  # as its engine stops
     cache.tiers.ssd.close()
     again = open_cache(tmp_path)
     assert again.prefill.seconds(1000) == cache.prefill.seconds(1000) == 0.5
+    again.tiers.ssd.close()
+
+
+def test_measurements_are_written_off_the_engine_thread_newest_last(tmp_path: Path, monkeypatch) -> None:
+    # they are saved before a request's first token and during its restore: the engine thread
+    # must not wait on the disk (busy with the SSD writer's fsyncs) for them
+    writers: list[str] = []
+    real = Path.write_text
+
+    def spy(self: Path, text: str, *args: Any, **kwargs: Any) -> int:
+        if "costs" in self.parts:
+            writers.append(threading.current_thread().name)
+            time.sleep(0.05)  # a slow disk
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", spy)
+    cache = open_cache(tmp_path)
+    tic = time.perf_counter()
+    cache.observe_prefill(1000, 0, 0.5)
+    cache._save_costs(force=True)  # what a restore does
+    assert time.perf_counter() - tic < 0.04  # the caller did not wait for either write
+    cache.observe_prefill(1000, 0, 0.1)
+    cache.close(timeout=1.0)  # the last state, written before the engine stops
+    assert writers and writers[-1] == threading.current_thread().name
+    assert all(name == "omlx-cache-costs" for name in writers[:-1])
+    time.sleep(0.2)  # threads of older states finishing late must not overwrite it
+    cache.tiers.ssd.close()
+    again = open_cache(tmp_path)
+    assert again.prefill.seconds(1000) == cache.prefill.seconds(1000) < 0.5
     again.tiers.ssd.close()
 
 
