@@ -69,6 +69,9 @@ PREFETCH_MIN_BYTES = 16 << 20
 # A RAM run at least PREFETCH_MIN_BYTES large is moved into device memory by `advance`, this
 # much per engine loop (~30 ms at the ~2 GB/s of MLX's host -> device copies on CUDA).
 RESTORE_CHUNK = 64 << 20
+# One writer of measurement files at a time in the process: a reloaded model's new cache may
+# save while the old one's close does, through the same temporary file.
+_COSTS_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -423,7 +426,6 @@ class PrefixCache(PrefixCacheHooks):
         self._costs_saved = 0.0
         self._costs_version = 0  # states handed to a writer thread, and the newest written
         self._costs_written = 0
-        self._costs_lock = threading.Lock()
         if store.ssd is not None:
             device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
             self._costs_path = store.ssd.directory / "costs" / f"{fingerprint}-{device}.json"
@@ -1071,7 +1073,7 @@ class PrefixCache(PrefixCacheHooks):
         """Write one saved state unless a newer one was written already (threads may finish
         out of order)."""
         assert self._costs_path is not None
-        with self._costs_lock:
+        with _COSTS_LOCK:
             if version <= self._costs_written:
                 return
             tmp = self._costs_path.with_name(f"{self._costs_path.name}.{os.getpid()}.tmp")
