@@ -57,7 +57,7 @@ def main() -> None:
                       + f" tok/s; best {max(values):.2f}, mean {statistics.mean(values):.2f}")  # fmt: skip
         finally:
             for s in servers.values():
-                s.stop()
+                s.cleanup()  # stops it and removes its temporary home
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(tree)], check=False)
 
 

@@ -1067,7 +1067,10 @@ class PrefixCache(PrefixCacheHooks):
         if wait:
             self._write_costs(*job)
         else:
-            threading.Thread(target=self._write_costs, args=job, name="omlx-cache-costs", daemon=True).start()
+            try:
+                threading.Thread(target=self._write_costs, args=job, name="omlx-cache-costs", daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had (interpreter shutdown): next time
+                log.warning("could not save the cache measurements: %s", exc)
 
     def _write_costs(self, version: int, text: str) -> None:
         """Write one saved state unless a newer one was written already (threads may finish
