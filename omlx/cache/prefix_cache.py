@@ -797,8 +797,14 @@ class PrefixCache(PrefixCacheHooks):
         return caches
 
     # ----- store ---------------------------------------------------------------------
-    def store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
-        """Store every full block not cached yet, and the unfinished tail as a partial block."""
+    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
+        """Store every full block not cached yet, and the unfinished tail as a partial block,
+        from token `start` on.
+
+        When only RAM keeps blocks, a finished sequence's blocks are made and copied out
+        `WRITE_BACK_CHUNK` bytes (at least one block) per call, root first, and the token
+        where the rest begins is returned (0: all stored): the engine calls again from there
+        while idle, so a request arriving waits for one piece of the copy, not all of it."""
         n_tokens = min(len(tokens), cache[0].offset if cache else 0)
         tokens = tokens[:n_tokens]
         keys = block_keys(self.fp, tokens, self.B)
@@ -817,19 +823,24 @@ class PrefixCache(PrefixCacheHooks):
 
         new: list[tuple[str, str | None, int, int]] = []
         for i, key in enumerate(keys):
-            if not known(key):
+            if i * self.B >= start and not known(key):
                 new.append((key, keys[i - 1] if i else None, i * self.B, (i + 1) * self.B))
         chain = list(keys)
-        start = len(keys) * self.B
-        if start < n_tokens:
+        tail = len(keys) * self.B
+        if tail < n_tokens:
             parent = keys[-1] if keys else None
-            key = chain_key(self.fp, parent, tokens[start:])
+            key = chain_key(self.fp, parent, tokens[tail:])
             chain.append(key)
             if not known(key):
-                new.append((key, parent, start, n_tokens))
+                new.append((key, parent, tail, n_tokens))
+        rest = 0
+        if final and ram_is_enough:
+            per_call = max(1, WRITE_BACK_CHUNK // max(1, self.bytes_per_token * self.B))
+            if len(new) > per_call:
+                rest, new = new[per_call][2], new[:per_call]
         if not new:
             self._refresh_chain(chain)
-            return
+            return 0
         blocks = [self._make_block(cache, *spec) for spec in new]
         for key, parent, a, b in new:
             self._remember_child(parent, key, tokens[a:b])
@@ -847,6 +858,7 @@ class PrefixCache(PrefixCacheHooks):
         self._refresh_chain(chain)
         if not self.bytes_per_token and blocks:
             self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
+        return rest
 
     def _refresh_chain(self, keys: list[str]) -> None:
         """Mark one chain's blocks (root first) used in every tier holding them, deepest first,

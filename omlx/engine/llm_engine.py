@@ -50,6 +50,9 @@ log = logging.getLogger("omlx.engine")
 # H200 an 8,000-token prefill of a 1B model took 0.089 s in 512-token chunks (the server's step)
 # vs 0.059 s in 2,048-token ones (`decode_probe.py`); the server's 32,000-token TTFT was ~2x raw.
 SOLO_PREFILL_TOKENS = 2048
+# Finished requests whose blocks may wait to be stored a piece per idle loop; past it the
+# oldest is stored at once (each holds its whole KV cache meanwhile).
+MAX_PENDING_STORES = 2
 
 
 class PrefixCacheHooks:
@@ -81,8 +84,11 @@ class PrefixCacheHooks:
         """Make a finished prefetch's blocks available to the next `lookup`."""
         return None
 
-    def store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
-        return None
+    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
+        """Store the blocks of `tokens` from token `start` on that are not cached yet; 0 when
+        done, else where the blocks left for later begin (the engine calls again from there
+        with the same cache while idle, `_continue_store`)."""
+        return 0
 
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
         return None
@@ -213,6 +219,10 @@ class LLMEngine:
         # an SSD tier each store copies KV to host memory (~2 GB/s on a CUDA GPU), and 32
         # streams finishing in one step must not wait on each other's copies.
         self._final_stores: list[tuple[list[int], list[Any]]] = []
+        # Finished sequences whose blocks are stored a piece per idle loop (a hot tier that
+        # holds no block sends each to RAM as it is made: done at once, a 32,000-token prompt
+        # of an 8B model held the engine 3-8 s on an H200 while a new request waited).
+        self._pending_stores: deque[tuple[list[int], list[Any], int]] = deque()  # (tokens, cache, from)
         self._solo_uid: int | None = None  # the request decoding as a SoloSequence, if any
         self._prefilling: list[int] = []  # newcomers the engine prefills, in arrival order
         self._own_uids = itertools.count(-1, -1)  # never collide with BatchGenerator's uids
@@ -466,6 +476,8 @@ class LLMEngine:
                     if self._graph_warmup is not None:
                         self._graph_warmup.close("the engine stopped")
                     self._hold_writes(False)
+                    while self._pending_stores and DEVICE.lost is None:
+                        self._finish_pending_store()
                     self._close_prefix_cache(timeout=8.0)
         finally:
             self._bg.close()
@@ -508,6 +520,8 @@ class LLMEngine:
                 idle = not self._running and not self._waiting
                 if not self._prefilling_alone():  # else its TTFT would carry the copies
                     unwritten = self._write_back(idle)
+                    if idle and self._pending_stores:
+                        unwritten = self._continue_store() or unwritten
                 if idle and not unwritten and self._buffers_dirty:
                     self._buffers_dirty = False
                     mx.clear_cache()  # idle: nobody waits on it now
@@ -522,6 +536,7 @@ class LLMEngine:
                 self._bg = self._new_batch_generator()
                 self._prompt_stores = []
                 self._final_stores = []
+                self._pending_stores.clear()
                 self._solo_uid = None
                 self._prefilling = []
             self.active_count = len(self._running)
@@ -864,7 +879,24 @@ class LLMEngine:
     def _store_finished(self) -> None:
         done, self._final_stores = self._final_stores, []
         for tokens, cache in done:
-            self._store(tokens, cache, final=True)
+            start = self._store(tokens, cache, final=True)
+            if start:
+                self._pending_stores.append((tokens, cache, start))
+        while len(self._pending_stores) > MAX_PENDING_STORES:  # each holds a whole KV cache
+            self._finish_pending_store()
+
+    def _continue_store(self) -> bool:
+        """The next piece of the oldest pending store; True while any remain."""
+        tokens, cache, start = self._pending_stores.popleft()
+        start = self._store(tokens, cache, final=True, start=start)
+        if start:
+            self._pending_stores.appendleft((tokens, cache, start))
+        return bool(self._pending_stores)
+
+    def _finish_pending_store(self) -> None:
+        tokens, cache, start = self._pending_stores.popleft()
+        while start:
+            start = self._store(tokens, cache, final=True, start=start)
 
     def _write_back(self, idle: bool) -> bool:
         try:
@@ -873,12 +905,14 @@ class LLMEngine:
             log.exception("writing prefix-cache blocks of %s back failed", self.model_id)
             return False
 
-    def _store(self, tokens: list[int], cache: list[Any], *, final: bool) -> None:
-        """Caching is an optimisation: its failure is logged, never fails the request."""
-        try:
-            self.prefix_cache.store(tokens, cache, final=final)  # on the engine's stream (`_run`)
+    def _store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
+        """Caching is an optimisation: its failure is logged, never fails the request. Where
+        blocks left for a later call begin (0: none)."""
+        try:  # on the engine's stream (`_run`)
+            return self.prefix_cache.store(tokens, cache, final=final, start=start) or 0
         except Exception:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
+            return 0
 
     def _on_token(self, state: _Running, r: Any) -> None:
         now = time.perf_counter()

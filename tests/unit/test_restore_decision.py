@@ -211,6 +211,110 @@ def test_prompt_blocks_wait_for_the_end_when_only_ram_would_keep_them() -> None:
     assert not roomy.wants_prompt_blocks(B - 1, 0)  # less than a block computed: at the end anyway
 
 
+def test_when_only_ram_keeps_blocks_a_finished_sequence_is_stored_a_piece_per_call(monkeypatch) -> None:
+    """Copied to RAM all at once, a 32,000-token prompt of an 8B model held its engine 3-8 s on
+    an H200 while a new request waited: the engine stores such a sequence a piece per idle loop."""
+    from omlx.cache import prefix_cache
+
+    warm = HotTier(1 << 30)
+    cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
+    first = list(range(10, 10 + B + 1))
+    assert cache.store(first, kv(len(first)), final=True) == 0  # measures a block's bytes; whole
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 2 * B * cache.bytes_per_token)  # 2 blocks
+    tokens = list(range(500, 500 + 7 * B + 5))  # seven full blocks and a tail
+    sequence = kv(len(tokens))
+    assert cache.store(tokens, sequence, final=False) == 0  # a prompt's store is never split
+    tokens2 = list(range(900, 900 + 7 * B + 5))
+    sequence2 = kv(len(tokens2))
+    starts, held = [cache.store(tokens2, sequence2, final=True)], [warm.stats()["blocks"]]
+    while starts[-1]:
+        starts.append(cache.store(tokens2, sequence2, final=True, start=starts[-1]))
+        held.append(warm.stats()["blocks"])
+    assert starts == [2 * B, 4 * B, 6 * B, 0]
+    assert [h - held[0] for h in held] == [0, 2, 4, 6]  # two a call, root first; the last: the 7th and the tail
+    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: a lookup restores what RAM holds
+    cache.warm_rate.observe(1e9, 1.0)
+    assert cache.lookup(tokens2)[1] == len(tokens2) - 1  # the whole chain, up to its last token
+
+
+def test_a_piecewise_store_ends_even_when_ram_cannot_hold_the_whole_sequence(monkeypatch) -> None:
+    from omlx.cache import prefix_cache
+
+    probe = PrefixCache(CacheStore(HotTier(1), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
+    probe.store(list(range(10, 10 + B)), kv(B), final=True)
+    block = B * probe.bytes_per_token
+    warm = HotTier(3 * block)  # three blocks: storing the later ones pushes out the first
+    cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
+    cache.store(list(range(10, 10 + B)), kv(B), final=True)
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", block)  # a block per call
+    tokens = list(range(500, 500 + 8 * B))
+    sequence = kv(len(tokens))
+    calls, start = 1, cache.store(tokens, sequence, final=True)
+    while start and calls < 20:
+        calls, start = calls + 1, cache.store(tokens, sequence, final=True, start=start)
+    assert (start, calls) == (0, 8)  # each block once, not again after RAM let it go
+
+
+def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_others_tokens(
+    tiny_model_dir: Path, monkeypatch
+) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from omlx.cache import prefix_cache
+    from omlx.engine.llm_engine import LLMEngine
+    from omlx.engine.request import GenerationRequest, SamplingParams
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    warm = HotTier(1 << 30)
+    store = CacheStore(HotTier(1), None, B, warm=warm)  # only RAM keeps blocks
+    engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=lambda loaded: PrefixCache(
+        store, FP, len(loaded.model.layers), "m"))  # fmt: skip
+    bias = {0: -100.0, 1: -100.0, 2: -100.0}
+    short = [5 + (i * 7) % 390 for i in range(10 * B)]
+    long = [9 + (i * 11) % 390 for i in range(3 * B)]
+    seen_while_long_ran: list[int] = []
+
+    async def run(rid: str, prompt: list[int], n: int, watch: asyncio.Event | None = None) -> None:
+        request = GenerationRequest(rid, prompt, n, SamplingParams(temperature=0.0, logit_bias=bias))
+        async for _ in engine.generate(request):
+            if watch is not None and watch.is_set():
+                seen_while_long_ran.append(warm.stats()["blocks"])
+
+    async def main() -> int:
+        await engine.wait_ready()
+        await run("measure", [7] * (B + 1), 1)  # the first store learns a block's bytes
+        await engine.call(lambda: None)
+        monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 1)  # a block per piece
+        before = warm.stats()["blocks"]
+        short_done = asyncio.Event()
+
+        async def short_then_flag() -> None:
+            await run("short", short, 2)
+            short_done.set()
+
+        await asyncio.gather(short_then_flag(), run("long", long, 60, short_done))
+        for _ in range(200):  # idle now: the rest goes a piece per loop
+            if warm.stats()["blocks"] - before >= 10 + 3:
+                break
+            await asyncio.sleep(0.01)
+        return before
+
+    try:
+        before = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert seen_while_long_ran, "the long request should outlive the short one"
+    # while the other request decoded, the short one's 10 blocks were not all copied at once
+    assert max(seen_while_long_ran) - before < 10
+    assert warm.stats()["blocks"] - before >= 10 + 3  # then all of both went to RAM
+
+
 def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tmp_path: Path, monkeypatch) -> None:
     """Handing a block to the SSD writer copies it to host memory on the engine thread (slow
     on a CUDA GPU): a busy engine defers it up to a bound, and every call hands over at most a
