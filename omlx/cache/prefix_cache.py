@@ -821,6 +821,8 @@ class PrefixCache(PrefixCacheHooks):
                 or (ssd is not None and ssd.contains(key, self.fp))
             )
 
+        if start and keys and not known(keys[0]):  # cleared, or let go meanwhile: the rest would hang off nothing
+            return 0
         new: list[tuple[str, str | None, int, int]] = []
         for i, key in enumerate(keys):
             if i * self.B >= start and not known(key):

@@ -476,8 +476,7 @@ class LLMEngine:
                     if self._graph_warmup is not None:
                         self._graph_warmup.close("the engine stopped")
                     self._hold_writes(False)
-                    while self._pending_stores and DEVICE.lost is None:
-                        self._finish_pending_store()
+                    self._drop_pending_stores(seconds=2.0)
                     self._close_prefix_cache(timeout=8.0)
         finally:
             self._bg.close()
@@ -653,6 +652,7 @@ class LLMEngine:
                 if handle.taken is None:
                     handle.taken = time.perf_counter()
                     handle.queued = max(0.0, time.time() - handle.request.created)
+                    self._finish_stores_for(handle.request.prompt_tokens)
                     if self._read_ahead(handle):
                         continue
                 self._insert(handle)
@@ -893,10 +893,29 @@ class LLMEngine:
             self._pending_stores.appendleft((tokens, cache, start))
         return bool(self._pending_stores)
 
-    def _finish_pending_store(self) -> None:
-        tokens, cache, start = self._pending_stores.popleft()
+    def _finish_pending_store(self, index: int = 0) -> None:
+        tokens, cache, start = self._pending_stores[index]
+        del self._pending_stores[index]
         while start:
             start = self._store(tokens, cache, final=True, start=start)
+
+    def _finish_stores_for(self, prompt: list[int]) -> None:
+        """A prompt that goes on past where a pending store stopped (the next turn of that
+        conversation) would find only its first pieces: that store is finished first."""
+        for i in reversed(range(len(self._pending_stores))):
+            tokens, _, start = self._pending_stores[i]
+            if len(prompt) > start and prompt[: start + 1] == tokens[: start + 1]:
+                self._finish_pending_store(i)
+
+    def _drop_pending_stores(self, seconds: float) -> None:
+        """At shutdown: go on with the pending stores for up to `seconds` (the pool's
+        `shutdown` joins this thread from the event loop), then let the rest go."""
+        deadline = time.monotonic() + seconds
+        while self._pending_stores and DEVICE.lost is None and time.monotonic() < deadline:
+            self._continue_store()
+        if self._pending_stores:
+            log.info("%s: %d finished requests' blocks not stored at shutdown", self.model_id, len(self._pending_stores))
+            self._pending_stores.clear()
 
     def _write_back(self, idle: bool) -> bool:
         try:

@@ -255,15 +255,11 @@ def test_a_piecewise_store_ends_even_when_ram_cannot_hold_the_whole_sequence(mon
     assert (start, calls) == (0, 8)  # each block once, not again after RAM let it go
 
 
-def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_others_tokens(
-    tiny_model_dir: Path, monkeypatch
-) -> None:
-    import asyncio
+def ram_only_engine(tiny_model_dir: Path, warm: HotTier) -> Any:
+    """An engine on the tiny model whose hot tier holds no block (only RAM keeps them)."""
     from types import SimpleNamespace
 
-    from omlx.cache import prefix_cache
     from omlx.engine.llm_engine import LLMEngine
-    from omlx.engine.request import GenerationRequest, SamplingParams
 
     def loader() -> SimpleNamespace:
         from mlx_lm import load
@@ -271,48 +267,104 @@ def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_othe
         model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
         return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
 
-    warm = HotTier(1 << 30)
-    store = CacheStore(HotTier(1), None, B, warm=warm)  # only RAM keeps blocks
-    engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=lambda loaded: PrefixCache(
+    store = CacheStore(HotTier(1), None, B, warm=warm)
+    return LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=lambda loaded: PrefixCache(
         store, FP, len(loaded.model.layers), "m"))  # fmt: skip
+
+
+async def answer(engine: Any, rid: str, prompt: list[int], n: int) -> tuple[list[int], int]:
+    from omlx.engine.request import GenerationRequest, SamplingParams
+
     bias = {0: -100.0, 1: -100.0, 2: -100.0}
+    got, cached = [], 0
+    async for ev in engine.generate(GenerationRequest(rid, prompt, n, SamplingParams(temperature=0.0, logit_bias=bias))):
+        got += ev.token_ids
+        cached = ev.cached_tokens or cached
+    return got, cached
+
+
+def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_others_tokens(
+    tiny_model_dir: Path, monkeypatch
+) -> None:
+    import asyncio
+
+    from omlx.cache import prefix_cache
+
+    warm = HotTier(1 << 30)
+    engine = ram_only_engine(tiny_model_dir, warm)
     short = [5 + (i * 7) % 390 for i in range(10 * B)]
     long = [9 + (i * 11) % 390 for i in range(3 * B)]
-    seen_while_long_ran: list[int] = []
 
-    async def run(rid: str, prompt: list[int], n: int, watch: asyncio.Event | None = None) -> None:
-        request = GenerationRequest(rid, prompt, n, SamplingParams(temperature=0.0, logit_bias=bias))
-        async for _ in engine.generate(request):
-            if watch is not None and watch.is_set():
-                seen_while_long_ran.append(warm.stats()["blocks"])
-
-    async def main() -> int:
+    async def main() -> tuple[int, tuple[int, int]]:
         await engine.wait_ready()
-        await run("measure", [7] * (B + 1), 1)  # the first store learns a block's bytes
+        await answer(engine, "measure", [7] * (B + 1), 1)  # the first store learns a block's bytes
         await engine.call(lambda: None)
         monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 1)  # a block per piece
         before = warm.stats()["blocks"]
-        short_done = asyncio.Event()
-
-        async def short_then_flag() -> None:
-            await run("short", short, 2)
-            short_done.set()
-
-        await asyncio.gather(short_then_flag(), run("long", long, 60, short_done))
-        for _ in range(200):  # idle now: the rest goes a piece per loop
+        long_task = asyncio.create_task(answer(engine, "long", long, 200))
+        while not engine.active_count:
+            await asyncio.sleep(0.002)
+        await answer(engine, "short", short, 2)
+        # on the engine thread, between two of the long request's steps
+        during = await engine.call(lambda: (warm.stats()["blocks"], engine.active_count))
+        await long_task
+        for _ in range(500):  # idle now: the rest goes a piece per loop
             if warm.stats()["blocks"] - before >= 10 + 3:
                 break
             await asyncio.sleep(0.01)
-        return before
+        return before, during
 
     try:
-        before = asyncio.run(main())
+        before, (held, running) = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert seen_while_long_ran, "the long request should outlive the short one"
-    # while the other request decoded, the short one's 10 blocks were not all copied at once
-    assert max(seen_while_long_ran) - before < 10
+    assert running == 1  # the long request was still decoding
+    assert held - before < 10  # and the short one's 10 blocks had not all been copied meanwhile
     assert warm.stats()["blocks"] - before >= 10 + 3  # then all of both went to RAM
+
+
+def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monkeypatch) -> None:
+    # pieces go only while idle: a follow-up arriving first makes its conversation's store finish
+    import asyncio
+
+    from omlx.cache import prefix_cache
+    from omlx.engine.llm_engine import LLMEngine
+
+    warm = HotTier(1 << 30)
+    engine = ram_only_engine(tiny_model_dir, warm)
+    prompt = [5 + (i * 7) % 390 for i in range(10 * B)]
+
+    async def main() -> tuple[list[int], int]:
+        await engine.wait_ready()
+        await answer(engine, "measure", [7] * (B + 1), 1)
+        await engine.call(lambda: None)
+        monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 1)  # a block per piece
+        monkeypatch.setattr(LLMEngine, "_continue_store", lambda self: True)  # never idle long enough
+        first, _ = await answer(engine, "first", prompt, 4)
+        return await answer(engine, "next", prompt + first + [11, 12, 13], 2)
+
+    try:
+        _, cached = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert cached >= 10 * B - (B if discrete_gpu() else 0)  # the first turn's prompt, all of it
+
+
+def test_a_pending_store_stops_when_its_chain_is_gone(monkeypatch) -> None:
+    from omlx.cache import prefix_cache
+
+    warm = HotTier(1 << 30)
+    store = CacheStore(HotTier(1), None, B, warm=warm)
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    cache.store(list(range(10, 10 + B + 1)), kv(B + 1), final=True)
+    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", B * cache.bytes_per_token)  # a block per call
+    tokens = list(range(500, 500 + 6 * B))
+    sequence = kv(len(tokens))
+    start = cache.store(tokens, sequence, final=True)
+    assert start == B
+    store.clear()  # e.g. DELETE /api/cache
+    assert cache.store(tokens, sequence, final=True, start=start) == 0
+    assert warm.stats()["blocks"] == 0  # no blocks hanging off a root that is gone
 
 
 def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tmp_path: Path, monkeypatch) -> None:
