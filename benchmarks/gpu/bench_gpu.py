@@ -375,6 +375,13 @@ def one(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return sse_client.stream_completion(c, url, body, timeout=REQUEST_TIMEOUT)
 
 
+def kv_bytes_per_token(shape: str) -> int:
+    """Bytes of bf16 keys and values one token takes in the KV cache of `shape`."""
+    c = SHAPES[shape]
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2
+
+
 def ttft(url: str, body: dict[str, Any]) -> tuple[float, int]:
     rec = one(url, body)
     first = rec["times"][0] if rec["times"] else rec["done"]
@@ -888,14 +895,17 @@ def main() -> None:
             ["--max-concurrent-requests", str(args.streams), "--no-cache", *extra],
         )
         servers.append(nc)
-        # hot tier too small for one block: every restore comes from the RAM tier (host bytes)
+        # no SSD, and a hot tier of 1.25 prompts of the longest length: part (c) pushes a prompt
+        # out to RAM with two new ones before each RAM restore, which moves it back
+        longest = max(int(x) for x in args.ttft_lengths.split(",") if x) + args.new_tokens
+        hot_bytes = int(1.25 * longest * kv_bytes_per_token(args.shape))
         ram = Server(
             "omlx RAM tier",
             models_root,
             args.shape,
             homes / "ram",
-            ["--max-concurrent-requests", str(args.streams), "--hot-cache-only", "--hot-cache-max-size", "1MB",
-             "--ram-cache-max-size", "32GB", *extra],
+            ["--max-concurrent-requests", str(args.streams), "--hot-cache-only", "--hot-cache-max-size",
+             str(hot_bytes), "--ram-cache-max-size", "32GB", *extra],
         )  # fmt: skip
         servers.append(ram)
     peer = None
@@ -993,17 +1003,7 @@ def main() -> None:
                 }
                 if "device_bw" in results:
                     bw = results["device_bw"]["hbm_copy_GBps"] * 1e9
-                    kv_per_token = (
-                        2
-                        * SHAPES[args.shape]["num_hidden_layers"]
-                        * SHAPES[args.shape]["num_key_value_heads"]
-                        * SHAPES[args.shape].get(
-                            "head_dim",
-                            SHAPES[args.shape]["hidden_size"]
-                            // SHAPES[args.shape]["num_attention_heads"],
-                        )
-                        * 2
-                    )
+                    kv_per_token = kv_bytes_per_token(args.shape)
                     ctx = args.prompt_tokens + args.decode_tokens / 2
                     floor = bw / (step_bytes + kv_per_token * ctx)
                     results["d"] = {
@@ -1204,11 +1204,15 @@ def part_c(
             s.wait_idle()
             s.wait_warmed()
 
-    def timed(server: Server, bodies: list[list[int]], row: dict[str, Any], name: str) -> None:
+    def timed(
+        server: Server, bodies: list[list[int]], row: dict[str, Any], name: str, before: Any = None
+    ) -> None:
         """`row[name]`: the best TTFT of `bodies` on `server`, each sent once every server is
-        quiet; every sample and the tokens each found cached are kept too."""
+        quiet (after `before()`); every sample and the tokens each found cached are kept too."""
         got = []
         for b in bodies:
+            if before is not None:
+                before()
             quiet()
             got.append(ttft(server.url, wl.body(b, 2)))
         row[name] = min(t for t, _ in got)
@@ -1232,17 +1236,26 @@ def part_c(
         timed(nc, [P[-1] + x for x in p["H"]], row, "nocache_extended")
         timed(srv, [P[-1] + x for x in p["H"]], row, "hot_restore")
         quiet()
-        ttft(ram.url, wl.body(P[-1], 2))  # a miss; its blocks go straight through to RAM
-        # a hot tier that holds no block: the engine copies them to RAM as the request ends
-        # (seen: 8 s for 4.2 GB at 8B, during which a new request waits), or when idle
-        row["ram_store_wait_s"] = ram.wait_idle()
-        timed(ram, [P[-1] + x for x in p["R"]], row, "ram_restore")
+        ttft(ram.url, wl.body(P[-1], 2))  # a miss, stored in the hot tier
+
+        def to_ram() -> None:
+            """Two new prompts of the longest length push P[-1] out of the RAM server's hot tier;
+            its idle engine copies the blocks to RAM (`quiet` waits for that)."""
+            for _ in range(2):
+                ttft(ram.url, wl.body(wl.prompt(max(lengths)), 2))
+
+        warm_before = ram.cache_stats().get("warm", {})
+        timed(ram, [P[-1] + x for x in p["R"]], row, "ram_restore", before=to_ram)
+        warm_after = ram.cache_stats().get("warm", {})
+        # RAM's hits are the blocks restored from it (moved back to the hot tier)
+        row["ram_restore_blocks"] = warm_after.get("hits", 0) - warm_before.get("hits", 0)
         c["rows"][n] = row
         log(
             f"(c) {n} tokens: raw {row['raw_mlx_lm_ttft']:.3f}s  nocache {row['nocache_cold']:.3f}s  "
             f"miss {row['cache_miss']:.3f}s  nocache +{k} {row['nocache_extended']:.3f}s  "
             f"hot {row['hot_restore']:.3f}s (cached per sample {row['hot_restore_cached_tokens']})  "
-            f"RAM {row['ram_restore']:.3f}s (cached per sample {row['ram_restore_cached_tokens']})"
+            f"RAM {row['ram_restore']:.3f}s (cached per sample {row['ram_restore_cached_tokens']}, "
+            f"{row['ram_restore_blocks']} blocks from RAM)"
         )
     srv.wait_ssd_writes()
     c["ssd_stats_before_restart"] = srv.cache_stats()

@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = [
     "CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "checksum_matches", "dtype_name",
-    "from_host", "host_view", "packed", "packed_on_device", "to_host",
+    "from_host", "host_view", "packed", "packed_on_device", "staged_on_host", "to_host",
 ]
 
 # name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
@@ -51,7 +51,13 @@ class CacheBlock:
 @dataclass
 class HostBlock:
     """A block as bytes in host memory: what the warm (RAM) tier keeps and what the SSD
-    threads write and read. Holds no MLX arrays, so any thread may handle it."""
+    threads write and read.
+
+    The RAM tier's blocks (`of(copy=True)`) are `staged`: their bytes are one MLX array made
+    from host bytes, and `host` views it. Its pages stay in host memory until the device
+    first uses them; then, on a CUDA GPU, they migrate there, which is the fastest way back
+    MLX has (6.7 GB/s on an H200 against 1.7 GB/s for an array made from host bytes at restore
+    time, `host_block_probe.py`). Other threads touch only `host` (bytes), never the array."""
 
     key: str
     parent: str | None
@@ -59,6 +65,7 @@ class HostBlock:
     token_count: int
     layer_types: list[str]
     host: HostTensors = field(repr=False)
+    staged: mx.array | None = field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -66,20 +73,24 @@ class HostBlock:
 
     @classmethod
     def of(cls, block: CacheBlock, *, copy: bool) -> HostBlock:
-        """`block`'s bytes (engine thread). `copy` detaches them from MLX's buffers: needed to
-        keep a block after its device arrays are gone; the SSD writer only needs a view."""
-        host = packed_on_device(block.tensors) if copy else to_host(block.tensors)
-        return cls(block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host)
+        """`block`'s bytes (engine thread). `copy` detaches them from the block's device
+        buffers, staged in host memory (for the RAM tier); the SSD writer only needs a view."""
+        staged, host = staged_on_host(block.tensors) if copy else (None, to_host(block.tensors))
+        return cls(
+            block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host, staged
+        )
 
-    def to_block(self) -> CacheBlock:
-        """MLX arrays again (engine thread)."""
+    def to_block(self, *, copy: bool = False) -> CacheBlock:
+        """MLX arrays again (engine thread). A staged block's are views of its staged array
+        (no copy: the block moves to the device, and its holder should let it go), unless
+        `copy` asks for new arrays, leaving these bytes where they are."""
         return CacheBlock(
             key=self.key,
             parent=self.parent,
             fingerprint=self.fingerprint,
             token_count=self.token_count,
             layer_types=list(self.layer_types),
-            tensors=from_host(self.host),
+            tensors=from_host(self.host, whole=None if copy else self.staged),
         )
 
 
@@ -139,6 +150,30 @@ def packed_on_device(tensors: Mapping[str, mx.array]) -> HostTensors:
     and then copied out in one piece. On CUDA MLX's buffers are managed memory, which the host
     reads page by page where the device holds it: a block as 64 arrays of 256 KB came out at
     0.74 GB/s on an H200 (`host_block_probe.py`)."""
+    whole, layout = _packed(tensors)
+    if whole is None:
+        return {}
+    buffer = np.array(whole)
+    return {name: (dt, shape, buffer[a : a + n]) for name, dt, shape, a, n in layout}
+
+
+def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
+    """`tensors` packed on the device, then copied out in one piece into a new MLX array whose
+    pages the host writes, so they lie in host memory (the device's are freed with the
+    tensors); with views of it as host bytes. The array is what a restore hands the device."""
+    whole, layout = _packed(tensors)
+    if whole is None:
+        return None, {}
+    with mx.stream(mx.cpu):
+        staged = mx.array(np.asarray(whole))  # one host copy: reads the device's pages, writes new ones
+        mx.eval(staged)
+        buffer = np.asarray(staged)  # a view: its pages are the array's
+    return staged, {name: (dt, shape, buffer[a : a + n]) for name, dt, shape, a, n in layout}
+
+
+def _packed(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, list[tuple[str, str, tuple[int, ...], int, int]]]:
+    """`tensors` as one evaluated uint8 array on the device, each at an offset its dtype's
+    size divides, and (name, dtype, shape, offset, bytes) of each."""
     parts: list[mx.array] = []
     layout = []
     at = 0
@@ -152,21 +187,29 @@ def packed_on_device(tensors: Mapping[str, mx.array]) -> HostTensors:
         layout.append((name, dt, tuple(t.shape), at, int(t.nbytes)))
         at += int(t.nbytes)
     if not parts:
-        return {}
-    buffer = np.array(parts[0] if len(parts) == 1 else mx.concatenate(parts))
-    return {name: (dt, shape, buffer[a : a + n]) for name, dt, shape, a, n in layout}
+        return None, layout
+    whole = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    mx.eval(whole)
+    return whole, layout
 
 
 def _itemsize(dt: str) -> int:
     return 2 if dt == "bfloat16" else np.dtype(dt).itemsize
 
 
-def from_host(host: HostTensors) -> dict[str, mx.array]:
-    """MLX arrays from host bytes (the inverse of `to_host`; engine thread).
+def from_host(host: HostTensors, whole: mx.array | None = None) -> dict[str, mx.array]:
+    """MLX arrays from host bytes (the inverse of `to_host`; engine thread); with `whole`, the
+    MLX array whose memory `host` views (a staged block), views of it instead of copies.
 
     Tensors that are views of one host buffer (a block packed for the RAM tier, or read from
     one SSD file) become views of one MLX array: on an H200, 1 GB of KV as 4,000 arrays (one
     per block, layer and keys/values) took 0.85 s to reach the GPU, as 32 arrays 0.25-0.46 s."""
+    if whole is not None:
+        origin = _address(np.asarray(whole))
+        return {
+            name: _typed(whole, _address(data) - origin, data.nbytes, dt, shape)
+            for name, (dt, shape, data) in host.items()
+        }
     span = _one_buffer(host)
     if span is None:
         out = {}
@@ -179,9 +222,18 @@ def from_host(host: HostTensors) -> dict[str, mx.array]:
     flat, starts = span
     whole = mx.array(flat)
     return {
-        name: whole[a : a + data.nbytes].view(_MX_DTYPES.get(dt) or getattr(mx, dt)).reshape(shape)
+        name: _typed(whole, a, data.nbytes, dt, shape)
         for (name, (dt, shape, data)), a in zip(host.items(), starts, strict=True)
     }
+
+
+def _typed(whole: mx.array, at: int, nbytes: int, dt: str, shape: tuple[int, ...]) -> mx.array:
+    """The tensor of `dt` and `shape` at byte `at` of the uint8 array `whole` (a view)."""
+    return whole[at : at + nbytes].view(_MX_DTYPES.get(dt) or getattr(mx, dt)).reshape(shape)
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def _one_buffer(host: HostTensors) -> tuple[np.ndarray, list[int]] | None:

@@ -57,6 +57,17 @@ class HotTier:
             self._hits += 1
             return block
 
+    def take(self, key: str) -> Any | None:
+        """Remove and return the block for ``key`` (a hit: it moves to another tier) or ``None``."""
+        with self._lock:
+            block = self._blocks.pop(key, None)
+            if block is None:
+                self._misses += 1
+                return None
+            self._bytes -= self._sizes.pop(key)
+            self._hits += 1
+            return block
+
     def peek(self, key: str) -> Any | None:
         """The block for ``key`` or ``None``, leaving LRU order and counters alone."""
         with self._lock:

@@ -460,7 +460,7 @@ class PrefixCache(PrefixCacheHooks):
         if warm is not None:
             got, skipped = self._restore_run(
                 keys, len(blocks), limit, warm.contains,
-                lambda run: (self._from_warm(k) for k in run), self.warm_rate, restored,
+                self._from_warm_run, self.warm_rate, restored,
             )  # fmt: skip
             blocks += got
         if ssd is not None and not skipped:
@@ -670,7 +670,7 @@ class PrefixCache(PrefixCacheHooks):
                 if self._in_device_memory(key):  # another request moved it
                     prefetched.ram_keys.pop()
                     continue
-                block = self._from_warm(key)
+                block = self._from_warm(key, move=True)  # the run fits in half the hot tier
                 if block is None:  # RAM let it go: `lookup` restores what is left, or recomputes
                     prefetched.ram_keys.clear()
                     break
@@ -703,10 +703,22 @@ class PrefixCache(PrefixCacheHooks):
             seconds = max(r.finished for r in reads) - min(r.started for r in reads)
             self._staged_s_per_byte = seconds / max(1, sum(r.block.nbytes for r in reads))
 
-    def _from_warm(self, key: str) -> CacheBlock | None:
-        """A block held in host RAM as MLX arrays again, or None if RAM no longer has it."""
-        held = self.tiers.warm.get(key)
-        return held.to_block() if held is not None else None
+    def _from_warm(self, key: str, move: bool) -> CacheBlock | None:
+        """A block held in host RAM as MLX arrays again, or None if RAM no longer has it. With
+        `move` it leaves RAM and its staged arrays are used as they are (on a CUDA GPU their
+        pages migrate at first use: 4x faster than a copy); else RAM keeps it and the block is
+        a copy, for a hot tier that could not keep it: it would only come back to RAM, copied
+        out again."""
+        warm = self.tiers.warm
+        held = warm.take(key) if move else warm.get(key)
+        return held.to_block(copy=not move) if held is not None else None
+
+    def _from_warm_run(self, run: list[str]) -> Iterable[CacheBlock | None]:
+        """`run` from RAM, moved out of it when the hot tier can keep all of it."""
+        warm = self.tiers.warm
+        size = sum(held.nbytes for held in map(warm.peek, run) if held is not None)
+        move = self.tiers.hot.can_hold(size)
+        return (self._from_warm(key, move) for key in run)
 
     def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
         """Restore from a tier (its measured bytes/s) only when that clearly beats recomputing
@@ -759,7 +771,7 @@ class PrefixCache(PrefixCacheHooks):
             return None
         block = None
         if warm is not None and warm.contains(key):
-            block = self._from_warm(key)
+            block = self._from_warm(key, move=hot.can_hold(self.B * self.bytes_per_token))
         if block is None and ssd is not None and ssd.contains(key, self.fp):
             block = ssd.get(key, self.fp)
         if block is not None:

@@ -31,6 +31,21 @@ def warm_tier_bytes(setting: str) -> int:
         raise ConfigError(f"Invalid value for ram_cache_max_size: {exc}") from None
 
 
+def count_ram_tier_in_mlx_limit(warm_bytes: int) -> None:
+    """The RAM tier keeps blocks as MLX arrays in host memory (`HostBlock.staged`), which MLX
+    counts as its own: raise MLX's memory limit by the tier's budget. On CUDA that limit (80%
+    of the GPU's memory) is where MLX starts to empty its buffer cache at every allocation; a
+    24 GB GPU with a RAM tier of 25 GB would have been past it all the time."""
+    import mlx.core as mx
+
+    global _ram_tier_in_limit
+    mx.set_memory_limit(mx.get_memory_limit() - _ram_tier_in_limit + warm_bytes)
+    _ram_tier_in_limit = warm_bytes  # a second store (tests) replaces the first's share
+
+
+_ram_tier_in_limit = 0
+
+
 def build_cache_store(settings: Settings) -> CacheStore | None:
     """None when the cache is off (`--no-cache`)."""
     if settings.no_cache:
@@ -40,6 +55,8 @@ def build_cache_store(settings: Settings) -> CacheStore | None:
     except ValueError as exc:
         raise ConfigError(f"Invalid value for hot_cache_max_size: {exc}") from None
     warm = HotTier(warm_tier_bytes(settings.ram_cache_max_size))
+    if warm.enabled:
+        count_ram_tier_in_mlx_limit(warm.max_bytes)
     ssd = None
     if not settings.hot_cache_only:
         cache_dir = settings.cache_dir

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -222,15 +223,26 @@ def arrays_made(monkeypatch, fn):
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.bool_])
-def test_a_block_kept_in_ram_is_one_buffer_and_one_array_on_the_way_back(dtype, monkeypatch) -> None:
-    # the RAM tier's copy packs a block's tensors into one host buffer; back in MLX they are
-    # views of a single array (one host -> device copy per block, not one per tensor)
+def test_a_block_kept_in_ram_is_one_staged_array_moved_back_as_it_is(dtype, monkeypatch) -> None:
+    # the RAM tier's copy packs a block's tensors into one MLX array made from host bytes;
+    # moved back, the tensors are views of it (on CUDA its pages migrate at first use, 4x
+    # faster than a copy); copied back (RAM keeps it), they are views of one new array
     block = make_block(3, layers=3, dtype=dtype)
     host = HostBlock.of(block, copy=True)
     datas = [data for _, _, data in host.host.values()]
-    assert len({id(d.base) for d in datas}) == 1 and datas[0].base.nbytes == host.nbytes
-    back, made = arrays_made(monkeypatch, host.to_block)
-    assert made == 1 and same_tensors(back.tensors, block.tensors)
+    assert len({id(d.base) for d in datas}) == 1 and datas[0].base.nbytes == host.nbytes == host.staged.nbytes
+    copied, made = arrays_made(monkeypatch, lambda: host.to_block(copy=True))
+    assert made == 1 and same_tensors(copied.tensors, block.tensors)
+    moved, made = arrays_made(monkeypatch, host.to_block)
+    assert made == 0 and same_tensors(moved.tensors, block.tensors)
+
+    def first_byte(t: mx.array) -> int:
+        return int(np.array(t.reshape(-1).view(mx.uint8))[0])
+
+    name = next(iter(block.tensors))
+    before = first_byte(moved.tensors[name])
+    np.asarray(host.staged)[0] ^= 1  # the staged bytes are the moved block's: no copy was made
+    assert first_byte(moved.tensors[name]) == before ^ 1 and first_byte(copied.tensors[name]) == before
 
 
 def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -> None:
@@ -875,12 +887,16 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
     for name, t in block.tensors.items():
         assert back.tensors[name].dtype == t.dtype
         assert mx.array_equal(back.tensors[name], t).item()
-    # a copy owns its bytes (one numpy buffer for the block): nothing of the MLX arrays is kept
-    # alive through it
-    owners = {id(data if data.base is None else data.base): data if data.base is None else data.base
-              for _, _, data in held.host.values()}  # fmt: skip
-    assert len(owners) == 1 and all(isinstance(o, np.ndarray) and o.flags.owndata for o in owners.values())
+    # a copy's bytes are its own staged array's (one buffer for the block): nothing of the
+    # block's MLX arrays is kept alive through it
+    staged = np.asarray(held.staged)
+    lo, hi = staged.__array_interface__["data"][0], staged.__array_interface__["data"][0] + staged.nbytes
+    assert all(lo <= data.__array_interface__["data"][0] < hi for _, _, data in held.host.values())
     assert (held.key, held.parent, held.token_count) == (block.key, block.parent, block.token_count)
+    del block
+    gc.collect()
+    again = held.to_block(copy=True)
+    assert all(mx.array_equal(again.tensors[name], t).item() for name, t in back.tensors.items())
 
 
 def test_prefill_cost_learns_per_token_and_attention_terms() -> None:
@@ -896,3 +912,19 @@ def test_prefill_cost_learns_per_token_and_attention_terms() -> None:
         cost.observe(n, depth, a * n + b * n * (depth + n / 2))
     for n, depth in [(8000, 0), (32000, 0), (100, 0), (256, 30000)]:
         assert cost.seconds(n, depth) == pytest.approx(a * n + b * n * (depth + n / 2), rel=0.05)
+
+
+def test_the_ram_tier_budget_is_added_to_mlx_memory_limit_once() -> None:
+    # RAM's blocks are MLX arrays in host memory: without room in MLX's limit for them, MLX on
+    # CUDA would empty its buffer cache at every allocation once RAM fills
+    from omlx.cache.setup import count_ram_tier_in_mlx_limit
+
+    base = mx.get_memory_limit()
+    try:
+        count_ram_tier_in_mlx_limit(1 << 30)
+        assert mx.get_memory_limit() == base + (1 << 30)
+        count_ram_tier_in_mlx_limit(2 << 30)  # another store (a test's) replaces the share
+        assert mx.get_memory_limit() == base + (2 << 30)
+    finally:
+        count_ram_tier_in_mlx_limit(0)
+    assert mx.get_memory_limit() == base
