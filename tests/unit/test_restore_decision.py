@@ -1019,6 +1019,26 @@ def demoting(bound: int, *fingerprints: str) -> tuple[CacheStore, list[PrefixCac
     return store, [PrefixCache(store, fp, LAYERS, "m") for fp in fingerprints or (FP,)]
 
 
+def test_blocks_a_restore_pushes_out_wait_for_the_idle_engine_beyond_the_bound(monkeypatch) -> None:
+    # moving a prompt back from RAM into a full hot tier pushes out as much: copied out on the
+    # spot beyond the bound (1.4 GB/s on an H200), a 4.2 GB restore ran at 1.3 GB/s, not ~7
+    store, (cache,) = demoting(1)  # evictions wait for no one, except a restore's
+    cache.prefill.observe(100, 0, 100.0)
+    cache.warm_rate.observe(1e9, 1.0)
+    a, b = list(range(10, 10 + 2 * B + 1)), list(range(500, 500 + 2 * B + 1))
+    cache.store(a, kv(len(a)), final=True)
+    copies = counted_host_copies(monkeypatch)
+    cache.store(b, kv(len(b)), final=True)  # a's blocks pushed out: copied at once
+    assert len(copies) == 3 and store.stats()["demoting_bytes"] == 0  # two blocks and a's tail
+    caches, n = cache.lookup(a)  # a comes back from RAM, b's blocks make room
+    assert n == 2 * B and len(copies) == 3 and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES
+    assert mx.array_equal(caches[0].state[0], kv(len(a))[0].state[0][..., : 2 * B, :])
+    while cache.write_back(idle=True):
+        pass
+    assert len(copies) == 5 and store.stats()["demoting_bytes"] == 0  # the idle engine copied them
+    assert all(store.warm.contains(k) for k in block_keys(FP, b, B)[:2])
+
+
 def test_blocks_the_hot_tier_lets_go_reach_ram_from_their_own_engine_when_it_is_idle(monkeypatch) -> None:
     # copied at eviction, the device -> host copy held up the engine that stored (and every
     # request behind it); now it waits in device memory for an idle loop, a chunk at a time
