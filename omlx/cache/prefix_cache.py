@@ -21,14 +21,13 @@ restartable from the SSD.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,7 +154,7 @@ class CacheStore:
         self._leaving: OrderedDict[str, tuple[CacheBlock, int]] = OrderedDict()  # (block, generation)
         self._leaving_bytes = 0
         self._leaving_lock = threading.Lock()
-        self._restoring = 0  # bytes being moved into the hot tier by restores (`restoring`)
+        self._restored = 0  # bytes restores moved into the hot tier since nothing waited (`moved_in`)
         # fingerprint -> engines (a reload may overlap the old engine's close) that demote its blocks
         self._owners: dict[str, int] = {}
         self.hot.on_evict = self._left_device
@@ -197,30 +196,27 @@ class CacheStore:
             if block.key in self._leaving:  # taken back for the SSD writer, and let go again
                 self._leaving.move_to_end(block.key)
                 return True
-            bound = self.demote_bound + self._restoring
-            if block.fingerprint not in self._owners or self._leaving_bytes + block.nbytes > bound:
+            if block.fingerprint not in self._owners or self._leaving_bytes + block.nbytes > self._bound():
                 return False
             self._leaving[block.key] = (block, self.generation)
             self._leaving_bytes += block.nbytes
         return True
 
-    @contextlib.contextmanager
-    def restoring(self, nbytes: int) -> Iterator[None]:
-        """While a restore moves `nbytes` into the hot tier, the blocks that pushes out may wait
-        in device memory for their copy to RAM up to that many bytes beyond `demote_bound`,
-        rather than be copied out on the spot: at 8B on an H200, a 4.2 GB restore from RAM that
-        copied out as much as it brought in ran at 1.3 GB/s instead of ~7. A recompute pushes
-        out as much when its blocks are stored; either way the idle engine copies them."""
-        if not self.demote_bound:
-            yield
-            return
-        with self._leaving_lock:
-            self._restoring += nbytes
-        try:
-            yield
-        finally:
+    def moved_in(self, nbytes: int) -> None:
+        """A restore is about to move `nbytes` into the hot tier: the blocks that pushes out may
+        wait in device memory for their copy to RAM that many bytes beyond `demote_bound` (up to
+        the hot tier's size, until nothing waits), rather than be copied out on the spot: at 8B
+        on an H200, a 4.2 GB restore from RAM that copied out as much as it brought in ran at
+        1.3 GB/s instead of ~5, and a prefetch that moved it a chunk per engine loop, copying out
+        once past the bound, at ~1.5 GB/s. A recompute pushes out as much when its blocks are
+        stored; either way the engine copies them when idle."""
+        if self.demote_bound:
             with self._leaving_lock:
-                self._restoring -= nbytes
+                self._restored += nbytes
+
+    def _bound(self) -> int:
+        """Bytes that may wait for their copy to RAM now (caller holds `_leaving_lock`)."""
+        return self.demote_bound + min(self._restored, self.hot.max_bytes)
 
     def leaving(self, key: str) -> bool:
         """Whether the block waits in device memory for its copy to RAM."""
@@ -238,7 +234,8 @@ class CacheStore:
     def demote(self, fingerprint: str, limit: int, due: bool) -> bool:
         """On that model's engine thread: copy its blocks waiting to leave device memory to
         RAM, oldest first, up to `limit` bytes (at least one block), when `due` (an idle
-        engine) or while they fill more than half of `demote_bound`. True when some still wait."""
+        engine) or while they fill more than half of what may wait (`_bound`). True when some
+        still wait."""
         moved = 0
         while True:
             with self._leaving_lock:
@@ -246,8 +243,10 @@ class CacheStore:
                     ((b, g) for b, g in self._leaving.values() if b.fingerprint == fingerprint), (None, 0)
                 )
                 if block is None:
+                    if not self._leaving:
+                        self._restored = 0
                     return False
-                urgent = self._leaving_bytes > self.demote_bound // 2
+                urgent = self._leaving_bytes > self._bound() // 2
                 if not (due or urgent) or (moved and moved + block.nbytes > limit):
                     return True
                 del self._leaving[block.key]
@@ -294,6 +293,7 @@ class CacheStore:
         with self._leaving_lock:
             self._leaving.clear()
             self._leaving_bytes = 0
+            self._restored = 0
         self.hot.clear()
         if self.warm:
             self.warm.clear()
@@ -600,9 +600,9 @@ class PrefixCache(PrefixCacheHooks):
             mx.eval([t for b in got for t in b.tensors.values()])
             if not self.bytes_per_token:
                 self.bytes_per_token = got[0].nbytes // max(1, got[0].token_count)
-            with self.tiers.restoring(sum(b.nbytes for b in got)):
-                for block in got:
-                    self.tiers.hot.put(block)
+            self.tiers.moved_in(sum(b.nbytes for b in got))
+            for block in got:
+                self.tiers.hot.put(block)
         return got, time.perf_counter() - tic
 
     def _from_ssd(self, run: list[str]) -> Iterable[CacheBlock | None]:
@@ -703,9 +703,9 @@ class PrefixCache(PrefixCacheHooks):
                 # a device operation over every array: on CUDA their first device use migrates
                 # them, part of what a restore from RAM costs (and what `lookup` times too)
                 mx.eval([t.sum() for b in moved for t in b.tensors.values()])
-                with self.tiers.restoring(size):
-                    for block in moved:
-                        hot.put(block)
+                self.tiers.moved_in(size)
+                for block in moved:
+                    hot.put(block)
                 self.warm_rate.observe(size, time.perf_counter() - tic)
                 self._save_costs()
         return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
@@ -801,8 +801,8 @@ class PrefixCache(PrefixCacheHooks):
             # evaluated here, on this engine's thread: in the hot tier another model's thread
             # may be the next to touch it (`CacheStore._left_device`)
             mx.eval(list(block.tensors.values()))
-            with self.tiers.restoring(block.nbytes):
-                hot.put(block)
+            self.tiers.moved_in(block.nbytes)
+            hot.put(block)
         return block
 
     def _remember_child(self, parent: str | None, key: str, tokens: list[int]) -> None:

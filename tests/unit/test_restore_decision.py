@@ -1039,6 +1039,33 @@ def test_blocks_a_restore_pushes_out_wait_for_the_idle_engine_beyond_the_bound(m
     assert all(store.warm.contains(k) for k in block_keys(FP, b, B)[:2])
 
 
+def test_a_prefetch_moving_a_block_per_loop_lets_what_it_pushes_out_wait_too(monkeypatch) -> None:
+    # the allowance is the restore's, not one chunk's: at 8B, a prefetch past the bound copied
+    # out on the spot and moved 2.5 GB at ~1.5 GB/s
+    from omlx.cache import prefix_cache
+
+    store = CacheStore(HotTier(4 * BLOCK_BYTES), None, B, warm=HotTier(1 << 30), demote_bound=1)
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    cache.prefill.observe(100, 0, 100.0)
+    cache.warm_rate.observe(1e9, 1.0)
+    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop
+    a, b = list(range(10, 10 + 2 * B)), list(range(500, 500 + 4 * B))
+    cache.store(a, kv(len(a)), final=True)
+    copies = counted_host_copies(monkeypatch)
+    cache.store(b, kv(len(b)), final=True)  # a pushed out to RAM: copied at once
+    assert len(copies) == 2
+    pending = cache.prefetch(a + [1], lambda: None)
+    assert pending is not None and len(pending.ram_keys) == 2
+    assert not cache.advance(pending, move=True) and cache.advance(pending, move=True)
+    assert len(copies) == 2 and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES  # b's two wait
+    cache.take(pending)
+    assert cache.lookup(a + [1])[1] == 2 * B
+    while cache.write_back(idle=True):
+        pass
+    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0
+
+
 def test_blocks_the_hot_tier_lets_go_reach_ram_from_their_own_engine_when_it_is_idle(monkeypatch) -> None:
     # copied at eviction, the device -> host copy held up the engine that stored (and every
     # request behind it); now it waits in device memory for an idle loop, a chunk at a time
