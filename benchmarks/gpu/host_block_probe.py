@@ -123,14 +123,14 @@ def main() -> None:
     note("staged: demote", seconds, size, free)
     free = device_free()
     tic = PERF()
-    back = [h.to_block(copy=True).tensors for h in held]
+    back = [h.to_block().tensors for h in held]
     mx.eval([t.sum() for b in back for t in b.values()])
     note("staged: restore as a copy", PERF() - tic, size, free)
     del back
     mx.clear_cache()
     free = device_free()
     tic = PERF()
-    back = [h.to_block().tensors for h in held]
+    back = [h.to_block(move=True).tensors for h in held]
     mx.eval([t.sum() for b in back for t in b.values()])
     note("staged: restore, moved", PERF() - tic, size, free)
     del back, held
@@ -149,7 +149,7 @@ def main() -> None:
     note("staged, cache kept: demote", PERF() - tic, size, free)
     free = device_free()
     tic = PERF()
-    back = [h.to_block().tensors for h in held]
+    back = [h.to_block(move=True).tensors for h in held]
     mx.eval([t.sum() for b in back for t in b.values()])
     note("staged, cache kept: moved", PERF() - tic, size, free)
     del back, held, blocks

@@ -80,17 +80,17 @@ class HostBlock:
             block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host, staged
         )
 
-    def to_block(self, *, copy: bool = False) -> CacheBlock:
-        """MLX arrays again (engine thread). A staged block's are views of its staged array
-        (no copy: the block moves to the device, and its holder should let it go), unless
-        `copy` asks for new arrays, leaving these bytes where they are."""
+    def to_block(self, *, move: bool = False) -> CacheBlock:
+        """MLX arrays again (engine thread): new ones made from the bytes, or with `move`, for
+        a staged block, views of its staged array (no copy: on a CUDA GPU its pages migrate to
+        the device at first use, so its holder should let it go)."""
         return CacheBlock(
             key=self.key,
             parent=self.parent,
             fingerprint=self.fingerprint,
             token_count=self.token_count,
             layer_types=list(self.layer_types),
-            tensors=from_host(self.host, whole=None if copy else self.staged),
+            tensors=from_host(self.host, whole=self.staged if move else None),
         )
 
 

@@ -231,9 +231,9 @@ def test_a_block_kept_in_ram_is_one_staged_array_moved_back_as_it_is(dtype, monk
     host = HostBlock.of(block, copy=True)
     datas = [data for _, _, data in host.host.values()]
     assert len({id(d.base) for d in datas}) == 1 and datas[0].base.nbytes == host.nbytes == host.staged.nbytes
-    copied, made = arrays_made(monkeypatch, lambda: host.to_block(copy=True))
+    copied, made = arrays_made(monkeypatch, host.to_block)
     assert made == 1 and same_tensors(copied.tensors, block.tensors)
-    moved, made = arrays_made(monkeypatch, host.to_block)
+    moved, made = arrays_made(monkeypatch, lambda: host.to_block(move=True))
     assert made == 0 and same_tensors(moved.tensors, block.tensors)
 
     def first_byte(t: mx.array) -> int:
@@ -883,7 +883,7 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
     block = make_block(3, dtype=dtype)
     held = HostBlock.of(block, copy=True)
     assert held.nbytes == block.nbytes
-    back = held.to_block()
+    back = held.to_block(move=True)
     for name, t in block.tensors.items():
         assert back.tensors[name].dtype == t.dtype
         assert mx.array_equal(back.tensors[name], t).item()
@@ -895,7 +895,7 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
     assert (held.key, held.parent, held.token_count) == (block.key, block.parent, block.token_count)
     del block
     gc.collect()
-    again = held.to_block(copy=True)
+    again = held.to_block()
     assert all(mx.array_equal(again.tensors[name], t).item() for name, t in back.tensors.items())
 
 

@@ -8,6 +8,7 @@ only the prefill timings are fed in by hand, to stand for a fast or a slow devic
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from pathlib import Path
@@ -85,6 +86,22 @@ def test_measurements_are_written_off_the_engine_thread(tmp_path: Path, monkeypa
     cache.tiers.ssd.close()
     again = open_cache(tmp_path)
     assert again.prefill.seconds(1000) == cache.prefill.seconds(1000) < 0.5
+    again.tiers.ssd.close()
+
+
+def test_ram_restores_saved_before_moves_count_as_copies(tmp_path: Path) -> None:
+    # until 2026-12-01 every RAM restore was a copy (1.7 GB/s on an H200): as the rate of
+    # moves (6.4 GB/s) it would make the cache recompute what it should now restore
+    cache = open_cache(tmp_path)
+    cache.observe_prefill(1000, 0, 0.5)
+    cache.close(timeout=1.0)
+    cache.tiers.ssd.close()
+    path = cache._costs_path
+    state = json.loads(path.read_text())
+    state.pop("warm_moves"), state.pop("warm_copies")
+    path.write_text(json.dumps({**state, "warm_restores": [1.7e9, 1.0]}))
+    again = open_cache(tmp_path)
+    assert again.warm_rate.value is None and again.warm_copy_rate.value == 1.7e9
     again.tiers.ssd.close()
 
 
@@ -515,7 +532,7 @@ def test_a_run_judged_slower_than_recompute_is_not_fetched_by_the_tail_search() 
     tokens = list(range(10, 10 + 6 * block + 1))
     cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
     cache.prefill.observe(100_000, 0, 1e-6)  # recompute: 10^11 tokens/s
-    cache.warm_rate.observe(1e6, 1.0)  # RAM: 1 MB/s
+    cache.warm_copy_rate.observe(1e6, 1.0)  # RAM: 1 MB/s (copied: the hot tier cannot keep the run)
     caches, n = cache.lookup(tokens + [7, 7, 7])
     assert (caches, n) == (None, 0)
     assert cache.tiers.counters.skipped_restores == 1
@@ -1048,9 +1065,9 @@ def test_blocks_a_restore_pushes_out_wait_for_the_idle_engine_beyond_the_bound(m
     caches, n = cache.lookup(a)  # a comes back from RAM, b's blocks make room
     assert n == 2 * B and len(copies) == 3 and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES
     assert mx.array_equal(caches[0].state[0], kv(len(a))[0].state[0][..., : 2 * B, :])
-    while cache.write_back(idle=True):
-        pass
-    assert len(copies) == 5 and store.stats()["demoting_bytes"] == 0  # the idle engine copied them
+    for _ in range(4):  # a busy engine: what passes half of what may wait goes, and the allowance with it
+        cache.write_back(idle=False)
+    assert len(copies) == 5 and store.stats()["demoting_bytes"] == 0 and store._restored == 0
     assert all(store.warm.contains(k) for k in block_keys(FP, b, B)[:2])
 
 
