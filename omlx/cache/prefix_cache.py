@@ -753,8 +753,10 @@ class PrefixCache(PrefixCacheHooks):
         `move` it leaves RAM and its staged arrays are used as they are (on a CUDA GPU their
         pages migrate at first use: 4x faster than a copy); else RAM keeps it and the block is
         a copy, for a hot tier that could not keep it: it would only come back to RAM, copied
-        out again."""
-        warm = self.tiers.warm
+        out again. One the SSD writer has yet to read is copied too: its reads would pull the
+        moved pages back to the host."""
+        warm, ssd = self.tiers.warm, self.tiers.ssd
+        move = move and not (ssd is not None and ssd.writing(key))
         held = warm.take(key) if move else warm.get(key)
         return held.to_block(move=move) if held is not None else None
 

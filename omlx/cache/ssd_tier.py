@@ -438,6 +438,11 @@ class SSDTier:
 
     # ------------------------------------------------------------------ writes
 
+    def writing(self, key: str) -> bool:
+        """Whether `key` is queued or being written (its bytes are still to be read)."""
+        with self._lock:
+            return key in self._pending
+
     def has_room(self) -> bool:
         """Whether the write queue is under half full: callers that can hold blocks back
         (the prefix cache's write-back) wait rather than have `put` drop them."""

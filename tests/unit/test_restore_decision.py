@@ -1030,6 +1030,28 @@ def test_a_run_restored_from_ram_moves_into_the_hot_tier_as_it_lies_in_ram(monke
     assert all(warm.peek(key).staged is not staged[key] for key in keys)
 
 
+def test_a_ram_block_the_ssd_writer_has_yet_to_read_is_copied_not_moved(tmp_path: Path) -> None:
+    # moved, its pages would go to the device and the writer's reads would pull them back
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    warm = HotTier(1 << 30)
+    cache = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B, warm=warm), FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 2 * B + 1))
+    cache.hold_writes(True)  # the writer waits (as during a lone prefill)
+    cache.store(tokens, kv(len(tokens)), final=True)
+    cache.tiers.hot.set_max_bytes(0)  # pushed out: to RAM, and to the writer as RAM's copy
+    cache.tiers.hot.set_max_bytes(1 << 30)
+    keys = block_keys(FP, tokens, B)[:2]
+    assert all(map(ssd.writing, keys)) and all(map(warm.contains, keys))
+    cache.prefill.observe(100, 0, 100.0)
+    cache.warm_rate.observe(1e9, 1.0)
+    caches, n = cache.lookup(tokens)
+    assert n == 2 * B and all(map(warm.contains, keys))  # copies: RAM keeps them for the writer
+    cache.hold_writes(False)
+    assert ssd.flush(10) and not any(map(ssd.writing, keys))
+    ssd.close()
+
+
 def test_a_ram_run_the_hot_tier_cannot_keep_is_copied_and_ram_keeps_it(monkeypatch) -> None:
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     cache, tokens = ram_only_cache(3 * block_bytes, monkeypatch)
