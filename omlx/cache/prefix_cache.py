@@ -68,6 +68,10 @@ RESTORE_MARGIN = 0.8
 # recomputing the whole run. An eighth at once cost a first SSD restore of 32,000 tokens of an
 # 8B model on an H200 1.0 s of disk reads (0.5 GB/s) before the run was recomputed (1.35 s).
 PROBE_SHARE = 0.1
+# A tier judged slower than recomputing this many times in a row is probed again the same way
+# (at most a tenth of one recompute every so many requests), so one slow measurement (a disk
+# busy with another process) does not turn it off for good.
+REPROBE_AFTER = 16
 # An SSD run at least this large is read ahead (`PrefixCache.prefetch`) while the engine goes on
 # decoding; smaller ones are read in `lookup`, where they stall the other streams only briefly.
 PREFETCH_MIN_BYTES = 16 << 20
@@ -321,6 +325,7 @@ class Throughput:
         self.decay = decay
         self._bytes = 0.0
         self._seconds = 0.0
+        self.skipped = 0  # restores judged slower than recomputing since the last measurement
 
     @property
     def value(self) -> float | None:
@@ -331,6 +336,11 @@ class Throughput:
             return
         self._bytes = self.decay * self._bytes + amount
         self._seconds = self.decay * self._seconds + seconds
+        self.skipped = 0
+
+    def forget(self) -> None:
+        """Drop what was measured (a probe is to replace it)."""
+        self._bytes = self._seconds = 0.0
 
     def state(self) -> list[float]:
         return [self._bytes, self._seconds]
@@ -561,10 +571,12 @@ class PrefixCache(PrefixCacheHooks):
         if not run:
             return [], False
         got: list[CacheBlock] = []
-        if rate.value is None and self.prefill.observations:
-            # Never measured, but the recompute side is known: time a part of the run first, so
-            # even the first restore from a slow tier is not much slower than recomputing (up
-            # to an eighth, not one block: per byte, tiny restores are faster than large ones)
+        if (rate.value is None or rate.skipped >= REPROBE_AFTER) and self.prefill.observations:
+            # Never measured (or judged slower `REPROBE_AFTER` times in a row: measured once
+            # under load, a tier would never be measured again), but the recompute side is
+            # known: time a part of the run first, so even the first restore from a slow tier
+            # is not much slower than recomputing (up to an eighth, not one block: per byte,
+            # tiny restores are faster than large ones)
             probe, budget = max(1, len(run) // 8), PROBE_SHARE * (self.prefill.seconds(len(run) * self.B) or 0.0)
             seconds, group, gone = 0.0, 1, False
             while len(got) < probe:
@@ -581,12 +593,14 @@ class PrefixCache(PrefixCacheHooks):
                 if seconds * (len(got) + group) / len(got) > budget:  # the next group would pass it
                     break
             if got:
+                rate.forget()  # stale if this probe is a re-probe
                 rate.observe(sum(b.nbytes for b in got), seconds)
                 self._save_costs(force=True)
             if gone:
                 return got, False
             run = run[len(got) :]
         if run and not self._restore_pays(len(run) * self.B, rate):
+            rate.skipped += 1
             with self.tiers.counters.lock:
                 self.tiers.counters.skipped_restores += 1
             return got, True

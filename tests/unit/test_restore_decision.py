@@ -140,6 +140,23 @@ def test_an_unmeasured_tier_is_probed_up_to_an_eighth_in_growing_groups(tmp_path
     assert groups == [1, 2, 4, 1, 56] and n == 64 * B  # 8 blocks probed, then the rest restored
 
 
+def test_a_tier_judged_slower_is_probed_again_after_a_while(tmp_path: Path) -> None:
+    # measured once while the disk was busy, the SSD would otherwise never be used again
+    from omlx.cache.prefix_cache import REPROBE_AFTER
+
+    tokens = list(range(10, 10 + 8 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: one token per second
+    cache.ssd_rate.observe(1, 1e9)  # ...and the SSD "slower"
+    cache.bytes_per_token = LAYERS * 2 * (2 * 8 * 4)  # keys and values, 2 heads x 8 float32s
+    for _ in range(REPROBE_AFTER):
+        assert cache.lookup(tokens) == (None, 0)
+    caches, n = cache.lookup(tokens)  # probed: the disk is fast now, so the run is restored
+    assert n == 8 * B and cache.ssd_rate.value > 1e3 and cache.ssd_rate.skipped == 0
+    cache.tiers.ssd.close()
+
+
 def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) -> None:
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
