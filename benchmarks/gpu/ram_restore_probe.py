@@ -38,6 +38,7 @@ def main() -> None:
     from bench_gpu import SHAPES, kv_bytes_per_token
     from mlx_lm.models.cache import KVCache
 
+    from omlx.cache.block_hash import block_keys
     from omlx.cache.hot_tier import HotTier
     from omlx.cache.prefix_cache import WRITE_BACK_BOUND_GPU, CacheStore, PrefixCache
     from omlx.platform_info import discrete_gpu
@@ -76,7 +77,7 @@ def main() -> None:
             pass
         demote_s = PERF() - tic
         mx.synchronize()
-        in_ram = sum(store.warm.contains(k) for k in __import__("omlx.cache.block_hash", fromlist=["x"]).block_keys(cache.fp, prompt, 256))
+        in_ram = sum(map(store.warm.contains, block_keys(cache.fp, prompt, 256)))
         before = cache.warm_rate.value
         tic = PERF()
         pending = cache.prefetch(prompt + [5], lambda: None)

@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = [
     "CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "checksum_matches", "dtype_name",
-    "from_host", "host_view", "packed", "packed_on_device", "staged_on_host", "to_host",
+    "from_host", "host_view", "packed", "staged_on_host", "to_host",
 ]
 
 # name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
@@ -145,22 +145,13 @@ def packed(host: HostTensors) -> HostTensors:
     return out
 
 
-def packed_on_device(tensors: Mapping[str, mx.array]) -> HostTensors:
-    """What `packed(to_host(tensors))` makes, packed where the tensors are (one concatenation)
-    and then copied out in one piece. On CUDA MLX's buffers are managed memory, which the host
-    reads page by page where the device holds it: a block as 64 arrays of 256 KB came out at
-    0.74 GB/s on an H200 (`host_block_probe.py`)."""
-    whole, layout = _packed(tensors)
-    if whole is None:
-        return {}
-    buffer = np.array(whole)
-    return {name: (dt, shape, buffer[a : a + n]) for name, dt, shape, a, n in layout}
-
-
 def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
-    """`tensors` packed on the device, then copied out in one piece into a new MLX array whose
-    pages the host writes, so they lie in host memory (the device's are freed with the
-    tensors); with views of it as host bytes. The array is what a restore hands the device."""
+    """`tensors` packed on the device (one concatenation), then copied out in one piece into a
+    new MLX array whose pages the host writes, so they lie in host memory (the device's are
+    freed with the tensors); with views of it as host bytes. The array is what a restore hands
+    the device. On CUDA MLX's buffers are managed memory, which the host reads page by page
+    where the device holds it: a block as 64 arrays of 256 KB came out at 0.74 GB/s on an H200,
+    packed first 1.8 GB/s (`host_block_probe.py`)."""
     whole, layout = _packed(tensors)
     if whole is None:
         return None, {}

@@ -60,12 +60,11 @@ class HotTier:
     def take(self, key: str) -> Any | None:
         """Remove and return the block for ``key`` (a hit: it moves to another tier) or ``None``."""
         with self._lock:
-            block = self._blocks.pop(key, None)
+            block = self._pop(key)
             if block is None:
                 self._misses += 1
-                return None
-            self._bytes -= self._sizes.pop(key)
-            self._hits += 1
+            else:
+                self._hits += 1
             return block
 
     def peek(self, key: str) -> Any | None:
@@ -135,10 +134,14 @@ class HotTier:
     def discard(self, key: str) -> bool:
         """Drop one block (e.g. found inconsistent by the caller)."""
         with self._lock:
-            if self._blocks.pop(key, None) is None:
-                return False
+            return self._pop(key) is not None
+
+    def _pop(self, key: str) -> Any | None:
+        """Remove `key`'s block and its bytes (caller holds the lock)."""
+        block = self._blocks.pop(key, None)
+        if block is not None:
             self._bytes -= self._sizes.pop(key)
-            return True
+        return block
 
     def discard_fingerprint(self, fingerprint: str) -> int:
         """Drop every block of one model; returns how many were dropped."""

@@ -501,16 +501,13 @@ class PrefixCache(PrefixCacheHooks):
             run = self._run_in(keys, len(blocks), limit, warm.contains)
             move = hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
             got, skipped = self._restore_run(
-                keys, len(blocks), limit, warm.contains,
-                lambda run: (self._from_warm(key, move) for key in run),
+                run, lambda part: (self._from_warm(key, move) for key in part),
                 self.warm_rate if move else self.warm_copy_rate, restored,
             )  # fmt: skip
             blocks += got
         if ssd is not None and not skipped:
-            got, skipped = self._restore_run(
-                keys, len(blocks), limit, lambda k: k in self._staged or ssd.contains(k, self.fp),
-                self._from_ssd, self.ssd_rate, restored,
-            )  # fmt: skip
+            run = self._run_in(keys, len(blocks), limit, lambda k: k in self._staged or ssd.contains(k, self.fp))
+            got, skipped = self._restore_run(run, self._from_ssd, self.ssd_rate, restored)
             blocks += got
         if self._staged_read_s:  # the reads ahead of what was used count into the SSD's restore time
             restored[:] = [
@@ -554,20 +551,16 @@ class PrefixCache(PrefixCacheHooks):
 
     def _restore_run(
         self,
-        keys: list[str],
-        start: int,
-        limit: int,
-        contains: Callable[[str], bool],
+        run: list[str],
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         rate: Throughput,
         restored: list[tuple[Throughput, int, float]],
     ) -> tuple[list[CacheBlock], bool]:
-        """The run of blocks from `keys[start]` on that a lower tier holds, restored (and
+        """`run` (the keys a lower tier holds, from where device memory's end), restored (and
         promoted to hot) when that beats recomputing them, and whether some were left for
         recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
         ends the run. What was restored and its time so far go to `restored`, for `lookup`
         to observe once the model's cache is built."""
-        run = self._run_in(keys, start, limit, contains)
         if not run:
             return [], False
         got: list[CacheBlock] = []
