@@ -373,6 +373,73 @@ def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_othe
     assert warm.stats()["blocks"] - before >= 10 + 3  # then all of both went to RAM
 
 
+def test_a_prompt_is_stored_only_once_its_first_token_has_left_the_engine(tiny_model_dir: Path, monkeypatch) -> None:
+    # the store's work holds the GIL: started while the event loop still has to send the first
+    # token, it adds to the TTFT. The loop is kept from taking the token here by blocking it.
+    import asyncio
+    from types import SimpleNamespace
+
+    from omlx.engine import llm_engine
+    from omlx.engine.llm_engine import LLMEngine
+    from omlx.engine.request import GenerationRequest, SamplingParams
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    hot = HotTier(1 << 30)
+    store = CacheStore(hot, None, B)
+    engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=lambda loaded: PrefixCache(
+        store, FP, len(loaded.model.layers), "m"))  # fmt: skip
+    prompt = [5 + (i * 7) % 390 for i in range(8 * B + 3)]
+    sampling = SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0})
+
+    def blocks_while_loop_blocked() -> list[tuple[int, int]]:
+        """(hot-tier blocks, requests running) sampled while this (the event loop's) thread
+        blocks: until the engine has a first event for it, then 0.2 s more."""
+        counts, end = [], time.monotonic() + 30
+        while time.monotonic() < end:
+            counts.append((hot.stats()["blocks"], engine.active_count))
+            if engine._outbox and end - time.monotonic() > 0.2:  # emitted: a store would start now
+                end = time.monotonic() + 0.2
+            time.sleep(0.002)
+        return counts
+
+    async def one(rid: str, grace: float) -> tuple[list[int], int, int]:
+        monkeypatch.setattr(llm_engine, "FIRST_TOKEN_GRACE_S", grace)
+        before = hot.stats()["blocks"]
+        stream = engine.generate(GenerationRequest(rid, prompt, 1800, sampling))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # submitted: the task waits for its first event
+        counts = blocks_while_loop_blocked()  # the prefill and first token happen meanwhile
+        await first
+        await stream.aclose()
+        for _ in range(200):  # the loop took the token: the blocks follow
+            if hot.stats()["blocks"] > before:
+                break
+            await asyncio.sleep(0.01)
+        return counts, before, hot.stats()["blocks"]
+
+    async def main() -> tuple[Any, Any]:
+        await engine.wait_ready()
+        waited = await one("waits", 60.0)
+        prompt[0] += 1  # a new prompt: nothing of it cached
+        timed_out = await one("times-out", 0.0)
+        return waited, timed_out
+
+    try:
+        (counts, before, after), (counts_late, before_late, _) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert counts[-1][1] == 1  # still decoding: its end would store it whole
+    assert {n for n, _ in counts} == {before}  # none stored while the token waited for the loop
+    assert after >= before + 8  # then the prompt's blocks were stored
+    blocks_late, running_late = counts_late[-1]
+    assert running_late == 1 and blocks_late >= before_late + 8  # past the grace, stored without the loop
+
+
 def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monkeypatch) -> None:
     # pieces go only while idle: a follow-up arriving first makes its conversation's store finish
     import asyncio
