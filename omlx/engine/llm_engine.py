@@ -55,10 +55,9 @@ SOLO_PREFILL_TOKENS = 2048
 MAX_PENDING_STORES = 2
 # A prompt's blocks are stored once the event loop has taken its first token, or this many
 # seconds after it was emitted (a loop too busy to take it must not keep the blocks from later
-# requests). Started at once, the store's Python-side work (a slice per layer and block: 4,000
-# for 32,000 tokens of a 1B model) holds the GIL while the loop waits for it at each of the
-# few iterations that send the token: measured on an H200, a cache miss's TTFT was 14 ms (1B)
-# and 23 ms (8B) above `--no-cache` at 32,000 tokens.
+# requests). Started at once, the store's work (a slice per layer and block: 4,000 for 32,000
+# tokens of a 1B model) holds the GIL, which the loop then waits for at each iteration on the
+# token's way out: 5.3 ms median, 10.4 max, against 0.15 ms (benchmarks/first_token_delivery_probe.py).
 FIRST_TOKEN_GRACE_S = 0.05
 
 
