@@ -501,13 +501,13 @@ class PrefixCache(PrefixCacheHooks):
             run = self._run_in(keys, len(blocks), limit, warm.contains)
             move = hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
             got, skipped = self._restore_run(
-                run, lambda part: (self._from_warm(key, move) for key in part),
+                run, len(blocks) * self.B, lambda part: (self._from_warm(key, move) for key in part),
                 self.warm_rate if move else self.warm_copy_rate, restored,
             )  # fmt: skip
             blocks += got
         if ssd is not None and not skipped:
             run = self._run_in(keys, len(blocks), limit, lambda k: k in self._staged or ssd.contains(k, self.fp))
-            got, skipped = self._restore_run(run, self._from_ssd, self.ssd_rate, restored)
+            got, skipped = self._restore_run(run, len(blocks) * self.B, self._from_ssd, self.ssd_rate, restored)
             blocks += got
         if self._staged_read_s:  # the reads ahead of what was used count into the SSD's restore time
             restored[:] = [
@@ -552,12 +552,13 @@ class PrefixCache(PrefixCacheHooks):
     def _restore_run(
         self,
         run: list[str],
+        depth: int,
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         rate: Throughput,
         restored: list[tuple[Throughput, int, float]],
     ) -> tuple[list[CacheBlock], bool]:
-        """`run` (the keys a lower tier holds, from where device memory's end), restored (and
-        promoted to hot) when that beats recomputing them, and whether some were left for
+        """`run` (the keys a lower tier holds, from where device memory's end: `depth` tokens
+        in), restored (and promoted to hot) when that beats recomputing them, and whether some were left for
         recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
         ends the run. What was restored and its time so far go to `restored`, for `lookup`
         to observe once the model's cache is built."""
@@ -570,7 +571,7 @@ class PrefixCache(PrefixCacheHooks):
             # known: time a part of the run first, so even the first restore from a slow tier
             # is not much slower than recomputing (up to an eighth, not one block: per byte,
             # tiny restores are faster than large ones)
-            probe, budget = max(1, len(run) // 8), PROBE_SHARE * (self.prefill.seconds(len(run) * self.B) or 0.0)
+            probe, budget = max(1, len(run) // 8), PROBE_SHARE * (self.prefill.seconds(len(run) * self.B, depth) or 0.0)
             seconds, group, gone = 0.0, 1, False
             while len(got) < probe:
                 tic = time.perf_counter()
@@ -592,7 +593,7 @@ class PrefixCache(PrefixCacheHooks):
             if gone:
                 return got, False
             run = run[len(got) :]
-        if run and not self._restore_pays(len(run) * self.B, rate):
+        if run and not self._restore_pays(len(run) * self.B, depth + len(got) * self.B, rate):
             rate.skipped += 1
             with self.tiers.counters.lock:
                 self.tiers.counters.skipped_restores += 1
@@ -666,13 +667,13 @@ class PrefixCache(PrefixCacheHooks):
         keys = block_keys(self.fp, tokens, self.B)
         start = len(self._run_in(keys, 0, limit, self._in_device_memory))
         ram_run = self._run_in(keys, start, limit, warm.contains) if warm is not None else []
-        if ram_run and not self._restore_pays(len(ram_run) * self.B, self.warm_rate):
+        if ram_run and not self._restore_pays(len(ram_run) * self.B, start * self.B, self.warm_rate):
             return None  # `lookup` recomputes from there: no SSD block is used either
         run = []
         if ssd is not None and self.ssd_rate.value is not None:
             run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
         if len(run) * self.B * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(
-            len(run) * self.B, self.ssd_rate
+            len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate
         ):
             run = []
         block_bytes = self.B * self.bytes_per_token
@@ -767,10 +768,12 @@ class PrefixCache(PrefixCacheHooks):
         held = warm.take(key) if move else warm.get(key)
         return held.to_block(move=move) if held is not None else None
 
-    def _restore_pays(self, n_tokens: int, rate: Throughput) -> bool:
+    def _restore_pays(self, n_tokens: int, depth: int, rate: Throughput) -> bool:
         """Restore from a tier (its measured bytes/s) only when that clearly beats recomputing
-        those tokens on this device (`RESTORE_MARGIN`)."""
-        recompute_s = self.prefill.seconds(n_tokens)  # the restored tokens start at depth 0
+        those tokens on this device (`RESTORE_MARGIN`), where they would be computed: after the
+        `depth` tokens before them (a run behind 20,000 hot tokens costs more to recompute than
+        the same run at the root, by the attention over those tokens)."""
+        recompute_s = self.prefill.seconds(n_tokens, depth)
         if recompute_s is None or rate.value is None or not self.bytes_per_token:
             return True  # no measurement yet: restoring is how we get one
         restore_s = n_tokens * self.bytes_per_token / rate.value

@@ -190,6 +190,26 @@ def test_a_restore_barely_faster_than_recomputing_recomputes(tmp_path: Path) -> 
         cache.tiers.ssd.close()
 
 
+def test_a_run_behind_a_cached_prefix_is_judged_against_recomputing_it_there(tmp_path: Path) -> None:
+    # recomputing tokens behind 12 cached blocks costs their attention over those blocks too:
+    # judged as if at the root, the same restore would look slower than recomputing
+    tokens = list(range(10, 10 + 16 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    _, n = cache.lookup(tokens[: 12 * B + 1])  # nothing measured yet: restored
+    assert n == 12 * B
+    run = 4 * B
+    cache.prefill.observe(run, 0, 1.0)  # t = a·n + b·n·(d + n/2): 1 s at the root,
+    cache.prefill.observe(run, 12 * B, 4.0)  # 4 s behind the 12 blocks
+    assert abs(cache.prefill.seconds(run, 12 * B) - 4.0) < 1e-6
+    cache.ssd_rate.forget()
+    cache.ssd_rate.observe(run * cache.bytes_per_token, 1.0)  # restoring the run: 1 s
+    _, n = cache.lookup(tokens)
+    assert n == 16 * B  # 1 s against 4 (at the root it would have been 1 s against 1: recomputed)
+    assert cache.tiers.counters.skipped_restores == 0
+    cache.tiers.ssd.close()
+
+
 def test_a_tail_the_engine_would_drop_is_not_fetched(tmp_path: Path) -> None:
     # on the engine's prefill grid (a CUDA GPU: whole blocks) a partial block is no use, so
     # `lookup` does not read it from the SSD (on the engine thread) only for it to be dropped
