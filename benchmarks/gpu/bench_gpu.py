@@ -787,7 +787,11 @@ def main() -> None:
     ap.add_argument("--parts", default="a,b,c,d,e")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/omlx-bench-gpu"))
     ap.add_argument(
-        "--out", type=Path, default=None, help="Folder for the JSON figures, logs and profiles."
+        "--out",
+        type=Path,
+        default=None,
+        help="Folder for the JSON figures, server logs and profiles (default: $OUT where set, as on the "
+        "lent GPU machine, whose $OUT comes back; else WORK_DIR/out).",
     )
     ap.add_argument("--decode-tokens", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -825,7 +829,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(STUCK_AFTER)  # where a stuck run is stuck (`log` re-arms it)
     parts = set(args.parts.split(","))
     work = args.work_dir
-    out_dir = args.out or (work / "out")
+    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else work / "out")
     out_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
 
