@@ -5,8 +5,8 @@ prompt store's worth of MLX slicing started on the engine thread right after the
 
 Why: that work holds the GIL, and each loop iteration gives the GIL up in `select`, so the
 loop waits for it (up to the 5 ms switch interval) at every iteration before the token is
-sent. The engine therefore stores a prompt's blocks only once the loop has taken its first
-token (`FIRST_TOKEN_GRACE_S` in omlx/engine/llm_engine.py).
+sent. The engine therefore stores a prompt's blocks only once the loop has passed its first
+token on to the response's writer (`FIRST_TOKEN_GRACE_S` in omlx/engine/llm_engine.py).
 
 Usage: python benchmarks/first_token_delivery_probe.py [--layers 16] [--tokens 32000] [--runs 15]
 (defaults: the block slicing of a 32,000-token prompt of a 16-layer model, e.g. Llama-3.2-1B)

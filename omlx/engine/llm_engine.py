@@ -53,9 +53,9 @@ SOLO_PREFILL_TOKENS = 2048
 # Finished requests whose blocks may wait to be stored a piece per idle loop; past it the
 # oldest is stored at once (each holds its whole KV cache meanwhile).
 MAX_PENDING_STORES = 2
-# A prompt's blocks are stored once the event loop has taken its first token, or this many
-# seconds after it was emitted (a loop too busy to take it must not keep the blocks from later
-# requests). Started at once, the store's work (a slice per layer and block: 4,000 for 32,000
+# A prompt's blocks are stored once the event loop has passed its first token on to the
+# response's writer (`_Handle.first_out`), or this many seconds after it was emitted (a loop too
+# busy must not keep the blocks from later requests), or when the request is cancelled first. Started at once, the store's work (a slice per layer and block: 4,000 for 32,000
 # tokens of a 1B model) holds the GIL, which the loop then waits for at each iteration on the
 # token's way out: 5.3 ms median, 10.4 max, against 0.15 ms (benchmarks/first_token_delivery_probe.py).
 FIRST_TOKEN_GRACE_S = 0.05
@@ -134,7 +134,7 @@ class _Handle:
     taken: float | None = None  # when the engine first took it (a read-ahead may follow)
     queued: float = 0.0  # seconds from the API building the request to `taken`
     prefetched: Any = None  # its finished read-ahead, for `_insert`
-    delivered: int = 0  # events the API has taken (written on the event loop only)
+    first_out: bool = False  # its first event has left the event loop (`generate`)
 
 
 @dataclass
@@ -273,12 +273,16 @@ class LLMEngine:
         try:
             while True:
                 event: GenerationEvent = await handle.events.get()
-                handle.delivered += 1
                 while event.finish_reason is None and not handle.events.empty():
                     event.merge(handle.events.get_nowait())
                 if event.finish_reason is not None:
                     handle.done = True
                 yield event
+                if not handle.first_out:
+                    # Runs after the callbacks queued so far, among them the wake-up of whoever
+                    # took the event on (an SSE stream's writer, `with_keepalive`): by then the
+                    # event is on its way out, and the engine may store the prompt's blocks.
+                    handle.loop.call_soon(_mark_first_out, handle)
                 if handle.done:
                     return
         finally:
@@ -618,6 +622,13 @@ class LLMEngine:
             return
         for uid, state in list(self._running.items()):
             if state.handle is handle:
+                # a prompt store waiting for the first token to go out is made now (a client
+                # that retries finds the prompt), before the sequence's cache goes
+                if state.solo is not None:
+                    self._store_solo_prompt(state, now=True)
+                elif uid in self._prompt_stores:
+                    self._prompt_stores.remove(uid)
+                    self._store_batch_prompt(uid, state)
                 self._drop(state)
                 del self._running[uid]
                 self._log_finished(state, "cancelled")
@@ -838,12 +849,15 @@ class LLMEngine:
             if not self._first_token_out(state):
                 self._prompt_stores.append(uid)
                 continue
-            cache_and_tokens = self._bg.extract_cache([uid]).get(uid)
-            if cache_and_tokens is not None:
-                # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
-                # so the same prompt finds it again (also after a restart)
-                prompt = list(cache_and_tokens[1])[: state.prompt_len]
-                self._store(prompt, cache_and_tokens[0], final=False)
+            self._store_batch_prompt(uid, state)
+
+    def _store_batch_prompt(self, uid: int, state: _Running) -> None:
+        cache_and_tokens = self._bg.extract_cache([uid]).get(uid)
+        if cache_and_tokens is not None:
+            # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
+            # so the same prompt finds it again (also after a restart)
+            prompt = list(cache_and_tokens[1])[: state.prompt_len]
+            self._store(prompt, cache_and_tokens[0], final=False)
 
     def _solo_step(self, state: _Running) -> None:
         """One chunk of the solo prompt, or one token, as `BatchGenerator.next` would do."""
@@ -859,16 +873,17 @@ class LLMEngine:
             self._flush(state)
             self._store_solo_prompt(state)  # once the first token is out, as in `_step`
 
-    def _store_solo_prompt(self, state: _Running) -> None:
-        if state.store_prompt and self._first_token_out(state):
+    def _store_solo_prompt(self, state: _Running, now: bool = False) -> None:
+        if state.store_prompt and (now or self._first_token_out(state)):
             state.store_prompt = False
             self._store(state.solo.fed[: state.prompt_len], state.solo.cache, final=False)
 
     @staticmethod
     def _first_token_out(state: _Running) -> bool:
-        """The API has taken the request's first token, or `FIRST_TOKEN_GRACE_S` have passed
-        since it was emitted: its prompt's blocks may be stored now."""
-        if state.handle.delivered:
+        """The event loop has passed the request's first token on (`_Handle.first_out`), or
+        `FIRST_TOKEN_GRACE_S` have passed since it was emitted: its prompt's blocks may be
+        stored now."""
+        if state.handle.first_out:
             return True
         return state.first_token is not None and time.perf_counter() - state.first_token > FIRST_TOKEN_GRACE_S
 
@@ -1077,6 +1092,10 @@ class LLMEngine:
             pending = self._outbox.pop(loop, {})
         for handle, event in pending.items():
             handle.events.put_nowait(event)
+
+
+def _mark_first_out(handle: _Handle) -> None:
+    handle.first_out = True
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

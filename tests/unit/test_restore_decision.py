@@ -427,7 +427,9 @@ def test_a_prompt_is_stored_only_once_its_first_token_has_left_the_engine(tiny_m
             time.sleep(0.002)
         return counts
 
-    async def one(rid: str, grace: float) -> tuple[list[int], int, int]:
+    async def one(rid: str, grace: float, read_on: bool) -> tuple[list[tuple[int, int]], int, int, int]:
+        """Hot-tier blocks and engine activity while the loop is blocked; blocks before, and
+        after the first token went out (`read_on`: the stream is read on) or the stream closed."""
         monkeypatch.setattr(llm_engine, "FIRST_TOKEN_GRACE_S", grace)
         before = hot.stats()["blocks"]
         stream = engine.generate(GenerationRequest(rid, prompt, 1800, sampling))
@@ -435,29 +437,68 @@ def test_a_prompt_is_stored_only_once_its_first_token_has_left_the_engine(tiny_m
         await asyncio.sleep(0)  # submitted: the task waits for its first event
         counts = blocks_while_loop_blocked()  # the prefill and first token happen meanwhile
         await first
-        await stream.aclose()
-        for _ in range(200):  # the loop took the token: the blocks follow
+        if read_on:
+            await anext(stream)  # the first token has gone on
+        else:
+            await stream.aclose()  # the client left after the first token: its cancel stores it
+        for _ in range(300):
             if hot.stats()["blocks"] > before:
                 break
             await asyncio.sleep(0.01)
-        return counts, before, hot.stats()["blocks"]
+        running = engine.active_count
+        await stream.aclose()
+        return counts, before, hot.stats()["blocks"], running
 
-    async def main() -> tuple[Any, Any]:
+    async def main() -> list[Any]:
         await engine.wait_ready()
-        waited = await one("waits", 60.0)
-        prompt[0] += 1  # a new prompt: nothing of it cached
-        timed_out = await one("times-out", 0.0)
-        return waited, timed_out
+        runs = []
+        for rid, grace, read_on in (("waits", 60.0, True), ("leaves", 60.0, False), ("times-out", 0.0, True)):
+            runs.append(await one(rid, grace, read_on))
+            prompt[0] += 1  # a new prompt: nothing of it cached
+        return runs
 
     try:
-        (counts, before, after), (counts_late, before_late, _) = asyncio.run(main())
+        waits, leaves, late = asyncio.run(main())
     finally:
         engine.shutdown()
-    assert counts[-1][1] == 1  # still decoding: its end would store it whole
-    assert {n for n, _ in counts} == {before}  # none stored while the token waited for the loop
-    assert after >= before + 8  # then the prompt's blocks were stored
-    blocks_late, running_late = counts_late[-1]
-    assert running_late == 1 and blocks_late >= before_late + 8  # past the grace, stored without the loop
+    for counts, before, after, _ in (waits, leaves):
+        assert counts[-1][1] == 1  # still decoding: its end would store it whole
+        assert {n for n, _ in counts} == {before}  # none stored while the token waited for the loop
+        assert after >= before + 8  # then the prompt's blocks were stored
+    assert waits[3] == 1  # while the request went on
+    counts, before, _, _ = late
+    assert counts[-1][1] == 1 and counts[-1][0] >= before + 8  # past the grace, stored without the loop
+
+
+def test_a_first_token_counts_as_out_only_after_the_stream_writer_has_it(tiny_model_dir: Path) -> None:
+    # SSE routes take events on through `with_keepalive` (a reader task, then the writer): the
+    # engine may store the prompt only once the writer has run with the first token
+    import asyncio
+
+    from omlx.engine.request import GenerationRequest, SamplingParams
+    from omlx.server.sse import with_keepalive
+
+    engine = ram_only_engine(tiny_model_dir, HotTier(1 << 30))
+
+    async def main() -> tuple[bool, bool]:
+        await engine.wait_ready()
+        request = GenerationRequest("r", [5, 6, 7, 8] * 10, 50, SamplingParams(temperature=0.0))
+        stream = with_keepalive(engine.generate(request), 10.0)
+        await anext(stream)  # the writer's turn with the first token
+        handle = engine._by_request["r"]
+        at_writer = handle.first_out
+        for _ in range(3):
+            await asyncio.sleep(0)
+        after = handle.first_out
+        await stream.aclose()
+        return at_writer, after
+
+    try:
+        at_writer, after = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert not at_writer
+    assert after
 
 
 def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monkeypatch) -> None:
