@@ -558,8 +558,8 @@ class PrefixCache(PrefixCacheHooks):
         restored: list[tuple[Throughput, int, float]],
     ) -> tuple[list[CacheBlock], bool]:
         """`run` (the keys a lower tier holds, from where device memory's end: `depth` tokens
-        in), restored (and promoted to hot) when that beats recomputing them, and whether some were left for
-        recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
+        in), restored (and promoted to hot) when that beats recomputing them there, and whether
+        some were left for recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
         ends the run. What was restored and its time so far go to `restored`, for `lookup`
         to observe once the model's cache is built."""
         if not run:

@@ -55,9 +55,10 @@ SOLO_PREFILL_TOKENS = 2048
 MAX_PENDING_STORES = 2
 # A prompt's blocks are stored once the event loop has passed its first token on to the
 # response's writer (`_Handle.first_out`), or this many seconds after it was emitted (a loop too
-# busy must not keep the blocks from later requests), or when the request is cancelled first. Started at once, the store's work (a slice per layer and block: 4,000 for 32,000
-# tokens of a 1B model) holds the GIL, which the loop then waits for at each iteration on the
-# token's way out: 5.3 ms median, 10.4 max, against 0.15 ms (benchmarks/first_token_delivery_probe.py).
+# busy must not keep the blocks from later requests), or when the request is cancelled first.
+# Started at once, the store's work (a slice per layer and block: 4,000 for 32,000 tokens of a
+# 1B model) holds the GIL, which the loop then waits for at each iteration on the token's way
+# out: 5.3 ms median, 10.4 max, against 0.15 ms (benchmarks/first_token_delivery_probe.py).
 FIRST_TOKEN_GRACE_S = 0.05
 
 
