@@ -559,9 +559,9 @@ class PrefixCache(PrefixCacheHooks):
     ) -> tuple[list[CacheBlock], bool]:
         """`run` (the keys a lower tier holds, from where device memory's end: `depth` tokens
         in), restored (and promoted to hot) when that beats recomputing them there, and whether
-        some were left for recomputing instead; `fetch` yields None for a block that has gone meanwhile, which
-        ends the run. What was restored and its time so far go to `restored`, for `lookup`
-        to observe once the model's cache is built."""
+        some were left for recomputing instead; `fetch` yields None for a block that has gone
+        meanwhile, which ends the run. What was restored and its time so far go to `restored`,
+        for `lookup` to observe once the model's cache is built."""
         if not run:
             return [], False
         got: list[CacheBlock] = []
