@@ -245,6 +245,33 @@ def test_a_block_kept_in_ram_is_one_staged_array_moved_back_as_it_is(dtype, monk
     assert first_byte(moved.tensors[name]) == before ^ 1 and first_byte(copied.tensors[name]) == before
 
 
+@pytest.mark.parametrize("moves", [True, False])
+def test_the_ssd_writer_reads_a_kept_blocks_own_buffers_only_where_that_leaves_them_be(
+    moves: bool, tmp_path: Path, monkeypatch
+) -> None:
+    # On CUDA a host read turns an MLX buffer into managed memory for good (the hot tier's
+    # block then restored at ~7 GB/s): the writer must read a packed copy there. Where the
+    # host reads device memory in place (CPU, Apple silicon), it views the block's buffers.
+    import omlx.cache.block as block_module
+
+    monkeypatch.setattr(block_module, "host_reads_move_buffers", lambda: moves)
+    block = make_block(4, layers=3, dtype=mx.bfloat16)
+    own = [np.asarray(t.view(mx.uint16)) for t in block.tensors.values()]
+    host = HostBlock.of(block, copy=False)
+    datas = [data for _, _, data in host.host.values()]
+    assert host.staged is None and host.nbytes == block.nbytes
+    assert all(np.shares_memory(d, o) for d, o in zip(datas, own, strict=True)) is not moves
+    assert any(np.shares_memory(d, o) for d in datas for o in own) is not moves
+    if moves:  # one buffer, each tensor at its own offset
+        assert len({id(d.base) for d in datas}) == 1
+    tier = open_tier(tmp_path)
+    tier.put(block)  # what a write-back hands the SSD
+    tier.flush()
+    read = tier.get_many([block.key], FP)
+    tier.close()
+    assert read[0] is not None and same_tensors(read[0].tensors, block.tensors)
+
+
 def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -> None:
     from omlx.cache.block import from_host, packed
 
