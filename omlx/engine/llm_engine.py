@@ -1035,8 +1035,8 @@ class LLMEngine:
         decode_s = now - (state.first_token or now)
         tps = (state.completion_tokens - 1) / decode_s if decode_s > 0 and state.completion_tokens > 1 else 0.0
         log.info(
-            "request=%s model=%s prompt=%d cached=%d completion=%d queue=%.3fs ttft=%.3fs decode=%.1ftok/s "
-            "finish=%s cache=%s",
+            "request=%s model=%s prompt=%d cached=%d completion=%d queue=%.3fs ttft=%.3fs restore=%.3fs "
+            "decode=%.1ftok/s finish=%s cache=%s",
             state.handle.request.request_id,
             self.model_id,
             state.prompt_len,
@@ -1044,6 +1044,7 @@ class LLMEngine:
             state.completion_tokens,
             state.queued,
             ttft,
+            state.prefill_start - state.start,
             tps,
             reason,
             "hit" if state.cached_tokens else "miss",
