@@ -1111,6 +1111,9 @@ class PrefixCache(PrefixCacheHooks):
         self.prefill.observe(tokens, depth, seconds)
         self._save_costs()
 
+    def prefill_seconds(self, tokens: int, depth: int) -> float | None:
+        return self.prefill.seconds(tokens, depth)
+
     # ----- measurements that outlive the process -----------------------------------------
     def _load_costs(self) -> None:
         try:

@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from omlx.engine.solo import PrefillShapes
+
 log = logging.getLogger("omlx.engine")
 
 # About this share of the device's memory holds the dummy prompt's KV cache (1 GB at 32,000
@@ -36,8 +38,11 @@ class GraphWarmup:
     (it never holds memory that requests may need) and the next idle spell starts it over,
     where chunks whose graphs exist already cost only their compute."""
 
-    def __init__(self, model: Any, depth: int, step: int, token: int, memory_budget: int) -> None:
+    def __init__(
+        self, model: Any, depth: int, step: int, token: int, memory_budget: int, shapes: PrefillShapes | None = None
+    ) -> None:
         self.model = model
+        self.shapes = shapes  # where the chunks' shapes are recorded, if anywhere
         self.depth = depth - depth % step  # whole chunks: a partial one's shape is nobody's
         self.step = step
         self.token = token
@@ -84,6 +89,8 @@ class GraphWarmup:
         # as `SoloSequence.feed_chunk` calls it; only the cache is evaluated, never the logits
         self.model(mx.array([self.token] * n)[None], cache=self._cache)
         mx.eval([c.state for c in self._cache])
+        if self.shapes is not None:
+            self.shapes.add(1, n, self.fed + n)
         self.fed += n
         if self.fed == n:  # the first chunk tells what a token's keys and values take
             per_token = sum(_nbytes(c.state) for c in self._cache) / n

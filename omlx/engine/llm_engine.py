@@ -37,7 +37,16 @@ from omlx.engine.graph_warmup import MAX_RESTARTS, MEMORY_FRACTION, GraphWarmup
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
 from omlx.engine.sampling import build_logits_processors, build_sampler
-from omlx.engine.solo import PREFILL_QUANTUM, SoloSequence, align_cached, feed_chunks_together
+from omlx.engine.solo import (
+    GRAPH_BUILD_S,
+    PREFILL_QUANTUM,
+    PrefillShapes,
+    SoloSequence,
+    align_cached,
+    feed_chunks_together,
+    first_chunk_shape,
+    sdpa_graph_capacity,
+)
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import EngineError, OverloadedError
 from omlx.models.loader import LoadedLLM
@@ -109,6 +118,11 @@ class PrefixCacheHooks:
         restore-or-recompute decisions."""
         return None
 
+    def prefill_seconds(self, tokens: int, depth: int) -> float | None:
+        """What prefilling `tokens` after `depth` cached ones takes here, as measured (None:
+        not known)."""
+        return None
+
     def write_back(self, idle: bool) -> bool:
         """Move some stored blocks on to slower tiers (engine thread); True when it moved some
         and more wait (call again soon)."""
@@ -178,6 +192,7 @@ class LLMEngine:
         prefix_cache_factory: Callable[[LoadedLLM], PrefixCacheHooks] | None = None,
         on_finished: Callable[[str, dict[str, Any]], None] | None = None,
         graph_warmup_tokens: int = 0,
+        graph_shapes: bool | None = None,
     ):
         self.model_id = model_id
         self._on_finished = on_finished  # called on the engine thread with each request's numbers
@@ -205,6 +220,10 @@ class LLMEngine:
         # so that MLX builds the attention graphs of the lone prefill's chunks (graph_warmup.py)
         self.graph_warmup_tokens = graph_warmup_tokens if self.own_prefill and solo else 0
         self._graph_warmup: GraphWarmup | None = None
+        # the prefill chunks' attention shapes this thread has built graphs for (None: where
+        # shapes cost nothing to meet; on a CUDA GPU by default): see `_onto_built_shapes`
+        track = discrete_gpu() if graph_shapes is None else graph_shapes
+        self._prefill_shapes = PrefillShapes(sdpa_graph_capacity()) if track else None
         self.graph_warmup_progress: dict[str, Any] | None = None  # published for /api/status
         self.prefix_cache: PrefixCacheHooks = PrefixCacheHooks()
         self._quantum_asked = prefill_quantum
@@ -438,7 +457,8 @@ class LLMEngine:
 
         token = next((t for t in self.tokenizer.encode("warm up") if t not in self.eos_ids), 0)
         warmup = GraphWarmup(
-            self.model, depth, self.solo_prefill_step_size, token, int(hot_tier_total_bytes() * MEMORY_FRACTION)
+            self.model, depth, self.solo_prefill_step_size, token, int(hot_tier_total_bytes() * MEMORY_FRACTION),
+            self._prefill_shapes,
         )
         self.graph_warmup_progress = warmup.progress()
         return warmup
@@ -717,6 +737,11 @@ class LLMEngine:
             handle.prefetched = None
         cache, cached = self.prefix_cache.lookup(tokens)
         cache, cached = align_cached(cache, cached, self.prefill_quantum)
+        alone = self.solo_enabled and not self._running and not self._waiting
+        own = alone or (self.own_prefill and len(tokens) - cached > 1)
+        step = self.solo_prefill_step_size if alone else self.prefill_step_size
+        if own:
+            cache, cached = self._onto_built_shapes(cache, cached, len(tokens), step)
         stop_seqs = None
         if req.stop_token_ids:
             stop_seqs = StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])
@@ -734,15 +759,13 @@ class LLMEngine:
             stop_sequences=stop_seqs,
             queued=queued,
         )
-        alone = self.solo_enabled and not self._running and not self._waiting
-        if alone or (self.own_prefill and len(tokens) - cached > 1):
+        if own:
             # decodes alone, or is prefilled here and joins the batch with its last token
             state.uid = next(self._own_uids)
             state.solo = SoloSequence(
                 self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
-                logits_processors=state.processors,
-                prefill_step_size=self.solo_prefill_step_size if alone else self.prefill_step_size,
-                quantum=self.prefill_quantum,
+                logits_processors=state.processors, prefill_step_size=step, quantum=self.prefill_quantum,
+                shapes=self._prefill_shapes,
             )
             if alone:
                 self._solo_uid = state.uid
@@ -753,6 +776,30 @@ class LLMEngine:
         state.pending.prompt_logprobs = prompt_logprobs
         self._running[state.uid] = state
         self.prefix_cache.record(len(tokens), cached)
+
+    def _onto_built_shapes(
+        self, cache: list[Any] | None, cached: int, prompt_len: int, step: int
+    ) -> tuple[list[Any] | None, int]:
+        """A restored prefix that ends between two multiples of the chunk `step` gives the
+        prefill a first chunk of a shape that prefills from the start never have (say 1,792
+        queries over 2,048 keys after a 256-token restore), whose attention graph may not
+        exist: ~40 ms to build on an H200 (`GRAPH_BUILD_S`), seen as +0.1 s on the first
+        restore from the SSD after a restart. Cut back to the multiple below when this thread
+        has built that one's shape and not the other, and recomputing the tokens cut costs
+        less than a build (the prefix cache's prefill model)."""
+        shapes, q = self._prefill_shapes, self.prefill_quantum
+        extra = cached % step if cache is not None and shapes is not None else 0
+        if not extra:
+            return cache, cached
+        base = cached - extra
+        if first_chunk_shape(cached, prompt_len - cached, step, q) in shapes:
+            return cache, cached
+        if first_chunk_shape(base, prompt_len - base, step, q) not in shapes:
+            return cache, cached  # a graph to build either way
+        recompute = self.prefix_cache.prefill_seconds(extra, base)
+        if recompute is None or recompute >= GRAPH_BUILD_S:
+            return cache, cached
+        return align_cached(cache, cached, step)
 
     def _batch_insert(
         self, state: _Running, todo: list[int], cache: list[Any] | None, fed: list[int], max_tokens: int

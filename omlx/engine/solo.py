@@ -24,6 +24,8 @@ values or logits.
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +65,58 @@ def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[li
     return cache, keep
 
 
+# Building a cuDNN attention graph for a shape met the first time: 39-46 ms on an H200
+# (benchmarks/gpu/sdpa_cache_probe.py), 40-75 ms seen as a first chunk's extra time in a server
+GRAPH_BUILD_S = 0.04
+
+
+def sdpa_graph_capacity() -> int:
+    """How many attention graphs MLX's CUDA backend keeps per thread (`omlx serve` sets 1,024)."""
+    try:
+        return int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "128"))  # MLX's default
+    except ValueError:
+        return 128
+
+
+class PrefillShapes:
+    """The (batch, queries, keys) attention shapes of the prefill chunks an engine's thread
+    has run, least recently used first: on a CUDA GPU each has its cuDNN graph built, kept in
+    a per-thread LRU of `capacity` (MLX's `MLX_CUDA_SDPA_CACHE_SIZE`) that this mirrors."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._seen: OrderedDict[tuple[int, int, int], None] = OrderedDict()
+
+    def add(self, batch: int, queries: int, keys: int) -> None:
+        shape = (batch, queries, keys)
+        self._seen[shape] = None
+        self._seen.move_to_end(shape)
+        while len(self._seen) > self.capacity:
+            self._seen.popitem(last=False)
+
+    def __contains__(self, shape: object) -> bool:
+        return shape in self._seen
+
+
+def _chunk_len(depth: int, todo: int, step: int) -> int:
+    """Tokens of the next chunk with `depth` cached and `todo` to feed (never the last one)."""
+    return min(step - depth % step, todo - 1) if todo > 1 else 0
+
+
+def _padding(n: int, depth: int, quantum: int) -> int:
+    return (-n) % quantum if quantum and depth % quantum == 0 else 0
+
+
+def first_chunk_shape(depth: int, todo: int, step: int, quantum: int) -> tuple[int, int, int] | None:
+    """The attention shape of the first chunk a `SoloSequence` feeds with `depth` tokens cached
+    and `todo` to feed (None: only the last token is left, fed alone)."""
+    n = _chunk_len(depth, todo, step)
+    if not n:
+        return None
+    pad = _padding(n, depth, quantum)
+    return (1, n + pad, depth + n + pad)
+
+
 class SoloSequence:
     """Prefill and pipelined decode of one sequence (all calls on the engine thread)."""
 
@@ -77,6 +131,7 @@ class SoloSequence:
         logits_processors: list[Callable],
         prefill_step_size: int,
         quantum: int = 0,
+        shapes: PrefillShapes | None = None,
     ):
         if not prompt:
             raise ValueError("a solo sequence needs at least one prompt token to feed")
@@ -90,6 +145,7 @@ class SoloSequence:
         self.step_size = prefill_step_size
         # see the module's docstring; chunks end on multiples of the step, so it must be one too
         self.quantum = quantum if quantum and prefill_step_size % quantum == 0 and plain_kv(self.cache) else 0
+        self.shapes = shapes  # where the chunks fed are recorded, if anywhere
         # The sampled token (and its logprobs) that has not been returned yet: set once the
         # prompt is fed; after that, always one forward pass ahead of what was returned.
         self.pending: tuple[mx.array, mx.array] | None = None
@@ -111,6 +167,8 @@ class SoloSequence:
             chunk = self.todo[:n]
             pad = self.padding(n)
             self.model(mx.array(chunk + chunk[-1:] * pad)[None], cache=self.cache)
+            if self.shapes is not None:
+                self.shapes.add(1, n + pad, len(self.fed) + n + pad)
             for c in self.cache if pad else ():
                 c.trim(pad)
             mx.async_eval([c.state for c in self.cache])
@@ -120,14 +178,11 @@ class SoloSequence:
     def padding(self, n: int) -> int:
         """Tokens to feed after a chunk of `n` so that it ends on a multiple of the quantum
         (only a last chunk needs any; none when the cached depth is off the grid anyway)."""
-        q = self.quantum
-        return (-n) % q if q and len(self.fed) % q == 0 else 0
+        return _padding(n, len(self.fed), self.quantum)
 
     def chunk_len(self) -> int:
         """Prompt tokens the next `feed_chunk` feeds (0: only the last one is left)."""
-        if len(self.todo) <= 1:
-            return 0
-        return min(self.step_size - len(self.fed) % self.step_size, len(self.todo) - 1)
+        return _chunk_len(len(self.fed), len(self.todo), self.step_size)
 
     def _advance(self, chunk: list[int]) -> None:
         """`chunk`, now in the cache, moves from the prompt to the fed tokens."""
@@ -242,6 +297,8 @@ def _feed_batch(members: list[SoloSequence], offset: int, width: int) -> None:
         batch.append(c)
     chunks = [m.todo[: m.chunk_len()] for m in members]
     members[0].model(mx.array([c + c[-1:] * (width - len(c)) for c in chunks]), cache=batch)
+    if members[0].shapes is not None:
+        members[0].shapes.add(len(members), width, offset + width)
     for i, m in enumerate(members):
         end = offset + len(chunks[i])  # keys and values past it are padding's
         for layer, c in enumerate(batch):

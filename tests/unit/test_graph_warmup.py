@@ -20,6 +20,7 @@ import pytest
 
 from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.llm_engine import LLMEngine
+from omlx.engine.solo import PrefillShapes
 from tests.unit.test_solo_sequence import (
     PROMPT_A,
     alone,
@@ -194,10 +195,14 @@ def test_the_dummy_cache_stays_within_the_memory_budget(model_path: Path) -> Non
     warmup = GraphWarmup(model, depth=2048, step=256, token=5, memory_budget=0)
     warmup.feed()
     assert warmup.depth == 256 and warmup.done  # not even one more chunk fits
-    warmup = GraphWarmup(model, depth=2048, step=256, token=5, memory_budget=_kv_bytes_per_token(model) * 600)
+    shapes = PrefillShapes(16)  # what it built, for the engine's restore cuts (`_onto_built_shapes`)
+    warmup = GraphWarmup(
+        model, depth=2048, step=256, token=5, memory_budget=_kv_bytes_per_token(model) * 600, shapes=shapes
+    )
     while not warmup.done:
         warmup.feed()
     assert (warmup.depth, warmup.fed) == (512, 512)  # whole chunks within 600 tokens' worth
+    assert (1, 256, 256) in shapes and (1, 256, 512) in shapes and len(shapes._seen) == 2
 
 
 def _kv_bytes_per_token(model) -> int:

@@ -600,3 +600,98 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
     assert calls and not any(calls)  # never while the prompt was fed
     assert len(calls) >= 8  # the loops of its decode steps and of the idle engine did write back
     assert all(held_while_fed) and holds == [True, False]  # the SSD writer waited for the prefill only
+
+
+def test_the_shapes_recorded_are_the_chunks_fed_and_the_first_is_foreseen(model_path: Path) -> None:
+    # the engine decides on a restored depth from the first chunk's shape (`first_chunk_shape`)
+    # and from the shapes its thread has fed: both must be what the model really runs
+    from mlx_lm import load
+    from mlx_lm.models.cache import KVCache
+
+    from omlx.engine.solo import PrefillShapes, first_chunk_shape
+
+    model, _ = load(str(model_path))
+    prompt = [5 + (i * 7) % 390 for i in range(150)]
+    base = SoloSequence(model, prompt[:97], cache=None, cached=[], sampler=None, logits_processors=[],
+                        prefill_step_size=32)  # fmt: skip
+    while not base.feed_chunk():
+        pass
+    base.wait()
+    for depth, step, q in ((96, 64, 32), (96, 32, 32), (0, 64, 32), (96, 64, 0)):
+        cache = None
+        if depth:  # a restore: new cache objects viewing `base`'s first 96 tokens
+            cache = []
+            for c in base.cache:
+                cache.append(KVCache())
+                cache[-1].keys, cache[-1].values, cache[-1].offset = c.keys[..., :96, :], c.values[..., :96, :], 96
+        spy, shapes = ShapeSpy(model), PrefillShapes(64)
+        seq = SoloSequence(spy, prompt[depth:], cache=cache, cached=prompt[:depth], sampler=None,
+                           logits_processors=[], prefill_step_size=step, quantum=q, shapes=shapes)  # fmt: skip
+        decode(seq, 2)
+        fed = [(1, n, at + n) for n, at in spy.calls if n > 1]
+        assert fed and fed[0] == first_chunk_shape(depth, len(prompt) - depth, step, q)
+        assert all(shape in shapes for shape in fed) and len(shapes._seen) == len(set(fed))
+    assert first_chunk_shape(96, 1, 64, 32) is None  # only the last token: fed alone, no chunk
+    small = PrefillShapes(2)
+    for n in (1, 2, 3):
+        small.add(1, n, n)
+    assert (1, 1, 1) not in small and (1, 3, 3) in small  # an LRU as MLX's graph cache is
+
+
+def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_building_a_graph(
+    model_path: Path,
+) -> None:
+    # On CUDA every new attention shape costs a graph build (~40 ms). A lone prompt's chunks
+    # end on multiples of 64 here; a prefix restored to 80 tokens would start with 48 queries
+    # over 128 keys, a shape no prefill from the start has. Cut back to 64 while that shape
+    # has not been built, the one from 64 has, and recomputing 16 tokens costs less than a build.
+    from omlx.cache.hot_tier import HotTier
+    from omlx.cache.prefix_cache import CacheStore, PrefillCost, PrefixCache
+
+    made: list[PrefixCache] = []
+
+    def factory(loaded: SimpleNamespace) -> PrefixCache:
+        made.append(PrefixCache(CacheStore(HotTier(1 << 30), None, 16), "f" * 64, len(loaded.model.layers), "m"))
+        return made[-1]
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_path))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    engine = LLMEngine(
+        "tiny", loader, max_concurrent=4, prefill_step_size=32, solo_prefill_step_size=64, own_prefill=True,
+        prefix_cache_factory=factory, graph_shapes=True,
+    )  # fmt: skip
+    stored = [5 + (i * 7) % 390 for i in range(83)]
+    turns = [stored[:80] + [9 + (i * k) % 390 for i in range(100)] for k in (11, 13, 17)]
+
+    def prefill_costs(seconds_per_token: float) -> None:
+        made[-1].prefill = PrefillCost()
+        made[-1].prefill.observe(1000, 0, 1000 * seconds_per_token)
+
+    async def run(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        got, cached = [], 0
+        async for ev in engine.generate(request(rid, prompt, 6)):
+            got += ev.token_ids
+            cached = ev.cached_tokens or cached
+        return got, cached
+
+    async def main() -> list[tuple[list[int], int]]:
+        await engine.wait_ready()
+        await run("w", [3 + (i * 5) % 390 for i in range(200)])  # builds (64 over 128) among others
+        await run("a", stored)
+        await engine.call(lambda: None)  # its blocks stored
+        out = []
+        for i, per_token in enumerate((1e-6, 1.0, 1e-6)):  # cheap, dear, cheap again
+            await engine.call(lambda per_token=per_token: prefill_costs(per_token))
+            out.append(await run(f"t{i}", turns[i]))
+        return out
+
+    got = drive(engine, main)
+    expected = alone(model_path, [request(f"t{i}", t, 6) for i, t in enumerate(turns)], solo=True, own_prefill=True)
+    assert [g for g, _ in got] == [e["tokens"] for e in expected]
+    # cut to 64; kept at 80 when recomputing costs more (its shape is built then); kept at 80
+    # after that even though recomputing is cheap
+    assert [cached for _, cached in got] == [64, 80, 80]
