@@ -786,10 +786,12 @@ class LLMEngine:
         exist: ~40 ms to build on an H200 (`GRAPH_BUILD_S`), seen as +0.1 s on the first
         restore from the SSD after a restart. Cut back to the multiple below when this thread
         has built that one's shape and not the other, and recomputing the tokens cut costs
-        less than a build (the prefix cache's prefill model)."""
+        less than a build (the prefix cache's prefill model). Only when the prompt goes on
+        past the multiple above: a prompt that ends before it has a last chunk's shape either
+        way, and cutting would only trade one such shape for another."""
         shapes, q = self._prefill_shapes, self.prefill_quantum
         extra = cached % step if cache is not None and shapes is not None else 0
-        if not extra:
+        if not extra or prompt_len - 1 - cached <= step - extra:
             return cache, cached
         base = cached - extra
         if first_chunk_shape(cached, prompt_len - cached, step, q) in shapes:

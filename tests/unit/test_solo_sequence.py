@@ -666,6 +666,7 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
     )  # fmt: skip
     stored = [5 + (i * 7) % 390 for i in range(83)]
     turns = [stored[:80] + [9 + (i * k) % 390 for i in range(100)] for k in (11, 13, 17)]
+    turns.append(stored[:80] + [7 + (i * 19) % 390 for i in range(20)])  # ends before 128
 
     def prefill_costs(seconds_per_token: float) -> None:
         made[-1].prefill = PrefillCost()
@@ -687,11 +688,15 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
         for i, per_token in enumerate((1e-6, 1.0, 1e-6)):  # cheap, dear, cheap again
             await engine.call(lambda per_token=per_token: prefill_costs(per_token))
             out.append(await run(f"t{i}", turns[i]))
+        await run("s", stored[:64] + turns[0][-36:])  # restores 64, then 35 tokens padded to 48 over 112 keys
+        await engine.call(lambda: prefill_costs(1e-6))
+        out.append(await run("t3", turns[3]))
         return out
 
     got = drive(engine, main)
     expected = alone(model_path, [request(f"t{i}", t, 6) for i, t in enumerate(turns)], solo=True, own_prefill=True)
     assert [g for g, _ in got] == [e["tokens"] for e in expected]
     # cut to 64; kept at 80 when recomputing costs more (its shape is built then); kept at 80
-    # after that even though recomputing is cheap
-    assert [cached for _, cached in got] == [64, 80, 80]
+    # after that even though recomputing is cheap; and kept where the prompt ends within its
+    # first chunk, though the shape from 64 (48 over 112) is built and this one (32 over 112) not
+    assert [cached for _, cached in got] == [64, 80, 80, 80]
