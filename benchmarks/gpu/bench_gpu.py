@@ -1115,6 +1115,8 @@ def main() -> None:
         run_part("c", lambda: part_c(args, wl, model, tokenizer, srv, nc, ram, results["c"]))
         run_part("g", lambda: part_g(args, wl, models_root, homes, extra, servers))
     finally:
+        # what was measured so far (a row of (c) lands in `results` as it ends), then the logs
+        (out_dir / f"results-{args.shape}.json").write_text(json.dumps(results, indent=2, default=str))
         with open(out_dir / f"servers-{args.shape}.log", "w") as logs:
             for s in servers:
                 s.stop()
