@@ -70,12 +70,15 @@ def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[li
 GRAPH_BUILD_S = 0.04
 
 
+MLX_SDPA_CACHE_DEFAULT = 128  # MLX's own size of that cache
+
+
 def sdpa_graph_capacity() -> int:
     """How many attention graphs MLX's CUDA backend keeps per thread (`omlx serve` sets 1,024)."""
     try:
-        return int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", "128"))  # MLX's default
+        return int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE", MLX_SDPA_CACHE_DEFAULT))
     except ValueError:
-        return 128
+        return MLX_SDPA_CACHE_DEFAULT
 
 
 class PrefillShapes:
