@@ -631,6 +631,7 @@ class SSDTier:
                 with self._lock:
                     self._pending.discard(block.key)
                     self._done_one()
+            del block  # its bytes go now, not when the next block comes (an engine empties MLX's cache)
 
     def _scan(self) -> None:
         """Rebuild the index from file headers (no tensor data is read)."""

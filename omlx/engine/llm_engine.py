@@ -193,6 +193,7 @@ class LLMEngine:
         on_finished: Callable[[str, dict[str, Any]], None] | None = None,
         graph_warmup_tokens: int = 0,
         graph_shapes: bool | None = None,
+        idle_empties_cache: bool | None = None,
     ):
         self.model_id = model_id
         self._on_finished = on_finished  # called on the engine thread with each request's numbers
@@ -255,6 +256,8 @@ class LLMEngine:
         self._own_uids = itertools.count(-1, -1)  # never collide with BatchGenerator's uids
         self.solo_handoffs = 0  # solo sequences moved into the BatchGenerator
         self._buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
+        # ... and whatever other threads freed into it (None: on a CUDA GPU): `_foreign_buffers_cached`
+        self.idle_empties_cache = discrete_gpu() if idle_empties_cache is None else idle_empties_cache
         self._outstanding = 0  # submitted and not finished; read/written on the event loop
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
@@ -554,7 +557,7 @@ class LLMEngine:
                     unwritten = self._write_back(idle)
                     if idle and self._pending_stores:
                         unwritten = self._continue_store() or unwritten
-                if idle and not unwritten and self._buffers_dirty:
+                if idle and not unwritten and (self._buffers_dirty or self._foreign_buffers_cached()):
                     self._buffers_dirty = False
                     mx.clear_cache()  # idle: nobody waits on it now
             except Exception as exc:  # an engine fault fails the requests in flight, not the server
@@ -601,6 +604,14 @@ class LLMEngine:
             return False
         state = self._running.get(self._solo_uid)
         return state is not None and state.solo is not None and state.solo.prefilling
+
+    def _foreign_buffers_cached(self) -> bool:
+        """Whether MLX's buffer cache holds buffers that others freed (the SSD writer's copies of
+        blocks, the RAM tier's) and no engine of the process is busy. On CUDA a buffer the host
+        has read is managed memory, and the cache hands it out again for device work, which then
+        faults its pages back at ~7 GB/s: on an H200 a 32,000-token prefill at 1B took 0.50 s
+        instead of 0.37 s in the buffers of the previous prompt's blocks the writer had freed."""
+        return self.idle_empties_cache and mx.get_cache_memory() > 0 and not activity.others_busy(self)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
