@@ -8,7 +8,9 @@ CUDA the engine prefills newcomers itself (`LLMEngine.own_prefill`, chunks of on
 batched; on a CPU mlx-lm's batched prefill stays faster, clears included). The engine's own prefills (solo requests, and
 newcomers on CUDA) trim the cache only when it holds a lot (a long prompt's KV cache grows
 by concatenation, and every outgrown buffer stays cached), and an engine that falls idle
-empties it.
+empties it; on CUDA an idle engine also empties what other threads freed into it meanwhile
+(`LLMEngine._foreign_buffers_cached`): buffers the host has read are managed memory, which
+the cache would otherwise hand to the next prefill.
 """
 
 from __future__ import annotations
