@@ -537,7 +537,7 @@ class LLMEngine:
                 continue
             idle = not self._running and not self._waiting
             try:
-                moving = any(getattr(p, "needs_engine", False) for p in self._restoring.values())
+                moving = self._moving_from_ram()
                 # the graph warm-up goes on only while no engine of the process has requests
                 warming = (
                     self._graph_warmup is not None and idle and not self._restoring and not activity.others_busy(self)
@@ -552,7 +552,9 @@ class LLMEngine:
                     self._step()
                     self._buffers_dirty = True
                 self._store_finished()
-                idle = not self._running and not self._waiting
+                # idle, and no request waiting for this thread to move its cached prefix in from
+                # RAM: that restore is all of its TTFT, and the copies out would lengthen it
+                idle = not self._running and not self._waiting and not self._moving_from_ram()
                 if not self._prefilling_alone():  # else its TTFT would carry the copies
                     unwritten = self._write_back(idle)
                     if idle and self._pending_stores:
@@ -604,6 +606,11 @@ class LLMEngine:
             return False
         state = self._running.get(self._solo_uid)
         return state is not None and state.solo is not None and state.solo.prefilling
+
+    def _moving_from_ram(self) -> bool:
+        """Whether a request's cached prefix is being moved in from RAM by this thread (a chunk
+        per loop, `PrefixCacheHooks.advance`); reads from the SSD go on off it."""
+        return any(getattr(p, "needs_engine", False) for p in self._restoring.values())
 
     def _foreign_buffers_cached(self) -> bool:
         """Whether MLX's buffer cache holds buffers that others freed (the SSD writer's copies of

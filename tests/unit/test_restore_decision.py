@@ -1058,6 +1058,24 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         advanced.append(move)
         return real_advance(self, prefetched, move)
 
+    # while it moves blocks in, the engine is not idle: no copies out to RAM or the SSD that
+    # could wait, no piece of a pending store, no emptying of MLX's buffer cache
+    while_moving: list[str] = []
+    real_write_back, real_clear = PrefixCache.write_back, mx.clear_cache
+
+    def moving() -> bool:
+        return any(p.needs_engine for p in engine._restoring.values())
+
+    def watched_write_back(self, idle):
+        if moving():
+            while_moving.append(f"write_back(idle={idle})")
+        return real_write_back(self, idle)
+
+    def watched_clear() -> None:
+        if moving():
+            while_moving.append("clear_cache")
+        real_clear()
+
     async def run(rid: str) -> tuple[list[int], int]:
         got, cached = [], 0
         async for ev in engine.generate(GenerationRequest(rid, prompt, 8, SamplingParams(temperature=0.0, logit_bias=bias))):
@@ -1076,6 +1094,8 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
         monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop
         monkeypatch.setattr(PrefixCache, "advance", counting)
+        monkeypatch.setattr(PrefixCache, "write_back", watched_write_back)
+        monkeypatch.setattr(mx, "clear_cache", watched_clear)
         return first, await run("b")
 
     try:
@@ -1086,6 +1106,7 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     usable = len(prompt) - 1 - ((len(prompt) - 1) % B if discrete_gpu() else 0)
     assert again == first and cached == usable
     assert advanced.count(True) >= 11  # one block a loop
+    assert while_moving and set(while_moving) == {"write_back(idle=False)"}, while_moving
 
 
 def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]:

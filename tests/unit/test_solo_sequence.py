@@ -302,9 +302,13 @@ def test_an_idle_engine_empties_buffers_other_threads_freed_into_the_cache_where
     # On CUDA a buffer the host has read (the SSD writer's copy of a block) is managed memory,
     # and MLX's cache would hand it to the next prefill, which faults its pages back. Freed by
     # another thread while the engine idles, it is emptied too where `idle_empties_cache`.
-    engine = LLMEngine(
-        "tiny", make_engine(model_path, solo=True)._loader, max_concurrent=4, idle_empties_cache=empties
-    )
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(model_path))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    engine = LLMEngine("tiny", loader, max_concurrent=4, idle_empties_cache=empties)
 
     def free_one() -> None:  # as the SSD writer drops a written block's bytes
         a = mx.array(np.ones(1 << 20, dtype=np.float32))
