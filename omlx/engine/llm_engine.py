@@ -617,8 +617,14 @@ class LLMEngine:
         blocks, the RAM tier's) and no engine of the process is busy. On CUDA a buffer the host
         has read is managed memory, and the cache hands it out again for device work, which then
         faults its pages back at ~7 GB/s: on an H200 a 32,000-token prefill at 1B took 0.50 s
-        instead of 0.37 s in the buffers of the previous prompt's blocks the writer had freed."""
-        return self.idle_empties_cache and mx.get_cache_memory() > 0 and not activity.others_busy(self)
+        instead of 0.37 s in the buffers of the previous prompt's blocks the writer had freed.
+        Not while the graph warm-up runs: what it frees is its own, for its next chunk."""
+        return (
+            self.idle_empties_cache
+            and self._graph_warmup is None
+            and mx.get_cache_memory() > 0
+            and not activity.others_busy(self)
+        )
 
     def _drain_inbox(self, block: bool) -> None:
         try:
