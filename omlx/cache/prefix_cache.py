@@ -92,6 +92,7 @@ class Prefetch:
     keys: list[str]  # the SSD run read ahead
     futures: list[Any]  # of `TimedRead`, in the order of `keys`
     ram_keys: list[str] = field(default_factory=list)  # the RAM run still to move, root first
+    moved_at: float | None = None  # when `advance` last moved a chunk (`time.perf_counter`)
 
     @property
     def needs_engine(self) -> bool:
@@ -710,12 +711,16 @@ class PrefixCache(PrefixCacheHooks):
             future.add_done_callback(one_done)
         return pending
 
-    def advance(self, prefetched: Prefetch, move: bool) -> bool:
+    def advance(self, prefetched: Prefetch, move: bool, alone: bool = False) -> bool:
         """Engine thread, once per loop: with `move`, put up to `RESTORE_CHUNK` bytes of the RAM
         run into device memory (the deepest blocks first, so its root ends the most recently
-        used: `_refresh_chain`). True once the whole prefetch is ready for `take` and `lookup`."""
+        used: `_refresh_chain`). True once the whole prefetch is ready for `take` and `lookup`.
+        `alone`: no other request ran since the last call, so the RAM rate counts the time
+        since the last chunk's end, not only this chunk's: the request waits through all of
+        it (a loop's bookkeeping, copies out that could not wait)."""
         if move and prefetched.ram_keys:
             tic = time.perf_counter()
+            since = prefetched.moved_at if alone and prefetched.moved_at is not None else tic
             moved: list[CacheBlock] = []
             size = 0
             hot = self.tiers.hot
@@ -738,7 +743,8 @@ class PrefixCache(PrefixCacheHooks):
                 self.tiers.moved_in(size)
                 for block in moved:
                     hot.put(block)
-                self.warm_rate.observe(size, time.perf_counter() - tic)
+                prefetched.moved_at = time.perf_counter()
+                self.warm_rate.observe(size, prefetched.moved_at - since)
                 self._save_costs()
         return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
 

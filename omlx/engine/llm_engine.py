@@ -91,9 +91,9 @@ class PrefixCacheHooks:
         `on_done`)."""
         return None
 
-    def advance(self, prefetched: Any, move: bool) -> bool:
+    def advance(self, prefetched: Any, move: bool, alone: bool = False) -> bool:
         """Engine thread, each loop: a bounded piece of the prefetch's own work (only with
-        `move`); True once it is ready."""
+        `move`; `alone`: no other request ran since the last call); True once it is ready."""
         return True
 
     def take(self, prefetched: Any) -> None:
@@ -695,7 +695,7 @@ class LLMEngine:
         ready: list[tuple[_Handle, Any]] = []
         for handle, prefetched in self._restoring.items():
             try:
-                if self.prefix_cache.advance(prefetched, move=prefetched is mover):
+                if self.prefix_cache.advance(prefetched, move=prefetched is mover, alone=not self._running):
                     ready.append((handle, prefetched))
             except Exception:  # caching is an optimisation: `lookup` restores in line instead
                 log.exception("restoring the cached prefix of %s ahead failed", handle.request.request_id)

@@ -1054,9 +1054,9 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     advanced: list[bool] = []
     real_advance = PrefixCache.advance
 
-    def counting(self, prefetched, move):
+    def counting(self, prefetched, move, alone=False):
         advanced.append(move)
-        return real_advance(self, prefetched, move)
+        return real_advance(self, prefetched, move, alone)
 
     # while it moves blocks in, the engine is not idle: no copies out to RAM or the SSD that
     # could wait, no piece of a pending store, no emptying of MLX's buffer cache
@@ -1069,7 +1069,21 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     def watched_write_back(self, idle):
         if moving():
             while_moving.append(f"write_back(idle={idle})")
+            time.sleep(0.02)  # as copies out that could not wait would take
         return real_write_back(self, idle)
+
+    # ... and what the engine does between two moves counts into the RAM rate: the request
+    # waits through it
+    observed: list[float] = []
+
+    def watched_rate(prefetched_cache: PrefixCache) -> None:
+        real_observe = prefetched_cache.warm_rate.observe
+
+        def observe(amount: float, seconds: float) -> None:
+            observed.append(seconds)
+            real_observe(amount, seconds)
+
+        prefetched_cache.warm_rate.observe = observe
 
     def watched_clear() -> None:
         if moving():
@@ -1096,6 +1110,7 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         monkeypatch.setattr(PrefixCache, "advance", counting)
         monkeypatch.setattr(PrefixCache, "write_back", watched_write_back)
         monkeypatch.setattr(mx, "clear_cache", watched_clear)
+        watched_rate(made[-1])
         return first, await run("b")
 
     try:
@@ -1107,6 +1122,7 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     assert again == first and cached == usable
     assert advanced.count(True) >= 11  # one block a loop
     assert while_moving and set(while_moving) == {"write_back(idle=False)"}, while_moving
+    assert len(observed) >= 11 and all(seconds >= 0.02 for seconds in observed[1:]), observed
 
 
 def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]:
