@@ -72,6 +72,9 @@ PROBE_SHARE = 0.1
 # (at most a tenth of one recompute every so many requests), so one slow measurement (a disk
 # busy with another process) does not turn it off for good.
 REPROBE_AFTER = 16
+# An idle engine times its SSD's restores (`PrefixCache.probe_idle`) on this much of its blocks
+# (at least one): a request arriving meanwhile may wait behind these reads on the reader threads.
+IDLE_PROBE_BYTES = 32 << 20
 # An SSD run at least this large is read ahead (`PrefixCache.prefetch`) while the engine goes on
 # decoding; smaller ones are read in `lookup`, where they stall the other streams only briefly.
 PREFETCH_MIN_BYTES = 16 << 20
@@ -452,6 +455,8 @@ class PrefixCache(PrefixCacheHooks):
         self._staged_s_per_byte = 0.0
         self._staged_read_s = 0.0
         self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
+        self._idle_probe: list[Any] | None = None  # `probe_idle`'s reads in flight (futures)
+        self._idle_probe_none_at = -1  # the SSD's block count when it held none of this model's
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
         self._generation = store.generation
         if store.ssd is not None:
@@ -1011,6 +1016,49 @@ class PrefixCache(PrefixCacheHooks):
             handed += block.nbytes
             self._hand_to_ssd(self._host_copy(block))  # else copied to host memory here
         return more or (handed > 0 and bool(self._unwritten))
+
+    def probe_idle(self) -> None:
+        """Engine thread, while idle: where the SSD's restore rate is unknown (the first start
+        on a cache directory) or due again (`REPROBE_AFTER`), read up to `IDLE_PROBE_BYTES` of
+        this model's most recently used blocks on the reader threads, make them device arrays
+        here, and take that as the rate, as `lookup` would time a part of a run: no request
+        pays for the timing then (at 8B on an H200 it was 0.09 s of the first one's TTFT after
+        a restart). Hits and the LRU order are left as they were; the blocks are dropped."""
+        ssd, rate = self.tiers.ssd, self.ssd_rate
+        if self._idle_probe is not None:
+            if all(f.done() for f in self._idle_probe):
+                self._finish_idle_probe()
+            return
+        if ssd is None or not (rate.value is None or rate.skipped >= REPROBE_AFTER):
+            return
+        count = ssd.block_count
+        if count == self._idle_probe_none_at:  # nothing new since it held none of ours
+            return
+        block_bytes = self.B * self.bytes_per_token
+        keys = ssd.recent_keys(self.fp, max(1, IDLE_PROBE_BYTES // block_bytes) if block_bytes else 1)
+        if not keys:
+            self._idle_probe_none_at = count if ssd.wait_ready(0) else -1
+            return
+        self._idle_probe = ssd.read_unmarked(keys, self.fp)
+
+    def _finish_idle_probe(self) -> None:
+        reads = [f.result() for f in self._idle_probe or () if f.exception() is None]
+        self._idle_probe = None
+        reads = [r for r in reads if r.block is not None]
+        if not reads:
+            return
+        tic = time.perf_counter()
+        blocks = [r.block.to_block() for r in reads]
+        mx.eval([t for b in blocks for t in b.tensors.values()])
+        upload = time.perf_counter() - tic
+        nbytes = sum(b.nbytes for b in blocks)
+        seconds = max(r.finished for r in reads) - min(r.started for r in reads) + upload
+        if not self.bytes_per_token:
+            self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
+        self.ssd_rate.forget()  # a re-probe replaces what was measured
+        self.ssd_rate.observe(nbytes, seconds)
+        self._save_costs(force=True)
+        log.debug("%s: SSD restores timed while idle: %d bytes in %.3fs", self.model_id, nbytes, seconds)
 
     def _host_copy(self, block: CacheBlock) -> CacheBlock | HostBlock:
         """The RAM tier's copy of `block` if it has one (no second device -> host copy); made

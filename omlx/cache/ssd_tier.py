@@ -323,10 +323,7 @@ class SSDTier:
         decoding while a request's prefix comes off the disk."""
         pool = self._reader_pool("_ahead_pool")
         if pool is None:  # closed
-            done: list[Future[TimedRead]] = [Future() for _ in keys]
-            for f in done:
-                f.set_result(TimedRead(None, 0.0, 0.0))
-            return done
+            return self._none_read(keys)
 
         def timed(key: str) -> TimedRead:
             tic = time.perf_counter()
@@ -348,6 +345,48 @@ class SSDTier:
                 futures.append(future)
         return futures
 
+    def read_unmarked(self, keys: Sequence[str], fingerprint: str) -> list[Future[TimedRead]]:
+        """`read_ahead` for a measurement of this disk (`PrefixCache.probe_idle`): the same
+        threads, reads and checks, but nothing counted as a hit and no block marked as used,
+        so a timing leaves the LRU order and the statistics as they were."""
+        pool = self._reader_pool("_ahead_pool")
+        if pool is None:  # closed
+            return self._none_read(keys)
+
+        def timed(key: str) -> TimedRead:
+            tic = time.perf_counter()
+            block = self._read(key, fingerprint, mark=False)
+            return TimedRead(block, tic, time.perf_counter())
+
+        return [pool.submit(timed, key) for key in keys]
+
+    @staticmethod
+    def _none_read(keys: Sequence[str]) -> list[Future[TimedRead]]:
+        done: list[Future[TimedRead]] = [Future() for _ in keys]
+        for f in done:
+            f.set_result(TimedRead(None, 0.0, 0.0))
+        return done
+
+    def recent_keys(self, fingerprint: str, n: int) -> list[str]:
+        """Up to `n` keys of `fingerprint`'s blocks, the most recently used first (none until
+        the index is built)."""
+        out: list[str] = []
+        if n <= 0 or not self._ready.is_set():
+            return out
+        with self._lock:
+            for key in reversed(self._index):
+                if self._index[key].fingerprint == fingerprint:
+                    out.append(key)
+                    if len(out) == n:
+                        break
+        return out
+
+    @property
+    def block_count(self) -> int:
+        """Blocks in the index (of every model)."""
+        with self._lock:
+            return len(self._index)
+
     def _reader_pool(self, name: str) -> ThreadPoolExecutor | None:
         """The pool in attribute `name`, made on first use; None once the tier is closed."""
         with self._lock:
@@ -359,27 +398,30 @@ class SSDTier:
                 setattr(self, name, pool)
             return pool
 
-    def _read(self, key: str, fingerprint: str) -> HostBlock | None:
+    def _read(self, key: str, fingerprint: str, mark: bool = True) -> HostBlock | None:
+        """`mark`: count the hit or miss and mark the block used (a request's read)."""
         if not self.enabled or not _is_key(key):
             return None
         path = self.path_for(key)
         with self._lock:
             entry = self._index.get(key)
             if entry is None and self._ready.is_set():
-                self._counters["misses"] += 1
+                self._counters["misses"] += mark
                 return None
         try:
             read, size = self._load(path, key, fingerprint)
         except FileNotFoundError:
             self._forget(key)
             with self._lock:
-                self._counters["misses"] += 1
+                self._counters["misses"] += mark
             return None
         except Exception as exc:  # noqa: BLE001 - never raise to the caller
             self._discard(key, path, exc)
             with self._lock:
-                self._counters["misses"] += 1
+                self._counters["misses"] += mark
             return None
+        if not mark:
+            return read
         try:
             os.utime(path)
         except OSError:

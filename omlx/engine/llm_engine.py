@@ -128,6 +128,11 @@ class PrefixCacheHooks:
         and more wait (call again soon)."""
         return False
 
+    def probe_idle(self) -> None:
+        """Engine thread, while idle: time a slow tier's restore where a request would have to
+        (never measured, or due again), so that no request pays for it."""
+        return None
+
     def hold_writes(self, on: bool) -> None:
         """While on, background writes of blocks to slower tiers wait (a lone prompt's prefill,
         whose TTFT they would stretch)."""
@@ -562,6 +567,8 @@ class LLMEngine:
                 if idle and not unwritten and (self._buffers_dirty or self._foreign_buffers_cached()):
                     self._buffers_dirty = False
                     mx.clear_cache()  # idle: nobody waits on it now
+                if idle and not unwritten and not activity.others_busy(self):
+                    self._probe_idle()
             except Exception as exc:  # an engine fault fails the requests in flight, not the server
                 lost = DEVICE.check(exc)
                 log.exception("engine %s failed a step; failing %d requests", self.model_id, len(self._running))
@@ -1027,6 +1034,12 @@ class LLMEngine:
         if self._pending_stores:
             log.info("%s: %d finished requests' blocks not stored at shutdown", self.model_id, len(self._pending_stores))
             self._pending_stores.clear()
+
+    def _probe_idle(self) -> None:
+        try:
+            self.prefix_cache.probe_idle()
+        except Exception:  # caching is an optimisation: requests time the tier themselves
+            log.exception("timing the prefix cache's slow tiers for %s failed", self.model_id)
 
     def _write_back(self, idle: bool) -> bool:
         try:

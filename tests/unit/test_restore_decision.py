@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from omlx.cache.block_hash import block_keys
@@ -155,6 +156,92 @@ def test_a_tier_judged_slower_is_probed_again_after_a_while(tmp_path: Path) -> N
     caches, n = cache.lookup(tokens)  # probed: the disk is fast now, so the run is restored
     assert n == 8 * B and cache.ssd_rate.value > 1e3 and cache.ssd_rate.skipped == 0
     cache.tiers.ssd.close()
+
+
+def probe_while_idle(cache: PrefixCache) -> None:
+    """What an idle engine does, loop after loop, until the timing is over."""
+    cache.probe_idle()
+    for _ in range(500):
+        if cache._idle_probe is None:
+            return
+        time.sleep(0.01)
+        cache.probe_idle()
+    pytest.fail("the idle timing never ended")
+
+
+def test_an_idle_engine_times_the_ssd_so_the_first_request_does_not(tmp_path: Path) -> None:
+    # a fresh cache directory's first restore would time a part of the run inside the request
+    # (0.09 s of a first TTFT at 8B on an H200); the idle engine before it times it instead
+    from omlx.cache.prefix_cache import REPROBE_AFTER
+
+    tokens = list(range(10, 10 + 8 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    ssd = cache.tiers.ssd
+    before, order = ssd.stats(), list(ssd._index)
+    probe_while_idle(cache)
+    assert cache.ssd_rate.value is not None and cache.bytes_per_token > 0
+    after = ssd.stats()
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"]) and list(ssd._index) == order
+    assert not any(cache.tiers.hot.contains(k) for k in order)  # what it read was dropped
+    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: the whole run is restored
+    fetched: list[int] = []
+    real = ssd.get_many
+    ssd.get_many = lambda keys, fp: fetched.append(len(keys)) or real(keys, fp)
+    _, n = cache.lookup(tokens)
+    assert n == 8 * B and fetched == [8]  # in one go: no part of it timed first
+    # judged slower too many times in a row, it is timed again while idle, not in a request
+    cache.ssd_rate.observe(1, 1e9)
+    cache.ssd_rate.skipped = REPROBE_AFTER
+    probe_while_idle(cache)
+    assert cache.ssd_rate.skipped == 0 and cache.ssd_rate.value > 1e3
+    cache.tiers.ssd.close()
+
+
+def test_an_engine_times_its_ssd_while_idle_before_any_request(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from omlx.engine.llm_engine import LLMEngine
+
+    stored(tmp_path, list(range(10, 10 + 4 * B)))
+
+    def loader() -> SimpleNamespace:
+        from mlx_lm import load
+
+        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+
+    made: list[PrefixCache] = []
+    engine = LLMEngine("m", loader, prefix_cache_factory=lambda loaded: made.append(open_cache(tmp_path)) or made[-1])
+
+    async def main() -> bool:
+        await engine.wait_ready()
+        for _ in range(300):
+            if made[-1].ssd_rate.value is not None:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        engine.shutdown()
+        made[-1].tiers.ssd.close()
+
+
+def test_an_idle_engine_does_not_time_an_ssd_without_its_blocks(tmp_path: Path, monkeypatch) -> None:
+    stored(tmp_path, list(range(10, 10 + 4 * B)))
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    other = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), "e" * 64, LAYERS, "other")
+    scans: list[int] = []
+    real = ssd.recent_keys
+    monkeypatch.setattr(ssd, "recent_keys", lambda fp, n: scans.append(n) or real(fp, n))
+    for _ in range(3):  # idle loops: the index is looked through once, until it changes
+        other.probe_idle()
+    assert other._idle_probe is None and other.ssd_rate.value is None and len(scans) == 1
+    ssd.close()
 
 
 def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) -> None:
@@ -815,6 +902,7 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
 
     monkeypatch.setattr(SSDTier, "_load", slow_load)
     done = threading.Event()
+    hits = ssd.stats()["hits"]
     pending = cache.prefetch(tokens, done.set)
     assert pending is not None and pending.keys == keys[1:8] and done.wait(10)
     cache.take(pending)
@@ -830,6 +918,7 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
     caches, n = cache.lookup(tokens)
     assert n == 8 * B
     assert read_in_line == [keys[:1]]  # only the block that was not read ahead
+    assert ssd.stats()["hits"] == hits + 8  # reads ahead count as hits, as those in line do
     for layer, c in enumerate(kv(len(tokens))):
         assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
     # the read-ahead's time (7 blocks of 0.2 s on 4 threads: >= 0.4 s) counts as restore time
