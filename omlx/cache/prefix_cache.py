@@ -96,6 +96,10 @@ class Prefetch:
     futures: list[Any]  # of `TimedRead`, in the order of `keys`
     ram_keys: list[str] = field(default_factory=list)  # the RAM run still to move, root first
     moved_at: float | None = None  # when `advance` last moved a chunk (`time.perf_counter`)
+    first_move: float | None = None  # ... and first began to (with the sums below: the debug log)
+    moving_s: float = 0.0
+    moved_bytes: int = 0
+    loops: int = 0
 
     @property
     def needs_engine(self) -> bool:
@@ -757,6 +761,17 @@ class PrefixCache(PrefixCacheHooks):
                 prefetched.moved_at = time.perf_counter()
                 self.warm_rate.observe(size, prefetched.moved_at - since)
                 self._save_costs()
+                if prefetched.first_move is None:
+                    prefetched.first_move = tic
+                prefetched.moving_s += prefetched.moved_at - tic
+                prefetched.moved_bytes += size
+                prefetched.loops += 1
+                if not prefetched.ram_keys:
+                    log.debug(
+                        "%s: %d bytes moved in from RAM ahead in %d loops: %.3fs moving, %.3fs from the first move",
+                        self.model_id, prefetched.moved_bytes, prefetched.loops, prefetched.moving_s,
+                        prefetched.moved_at - prefetched.first_move,
+                    )  # fmt: skip
         return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
 
     def take(self, prefetched: Prefetch) -> None:
@@ -796,7 +811,15 @@ class PrefixCache(PrefixCacheHooks):
         if recompute_s is None or rate.value is None or not self.bytes_per_token:
             return True  # no measurement yet: restoring is how we get one
         restore_s = n_tokens * self.bytes_per_token / rate.value
-        return restore_s < RESTORE_MARGIN * recompute_s
+        pays = restore_s < RESTORE_MARGIN * recompute_s
+        if log.isEnabledFor(logging.DEBUG):
+            tier = "SSD" if rate is self.ssd_rate else "RAM moves" if rate is self.warm_rate else "RAM copies"
+            log.debug(
+                "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s",
+                self.model_id, n_tokens, depth, tier, restore_s, rate.value / 1e9, recompute_s,
+                "restore" if pays else "recompute",
+            )  # fmt: skip
+        return pays
 
     def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
         """The stored block after `parent` sharing the longest token prefix with `rest`.
