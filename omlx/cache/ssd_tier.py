@@ -325,11 +325,6 @@ class SSDTier:
         if pool is None:  # closed
             return self._none_read(keys)
 
-        def timed(key: str) -> TimedRead:
-            tic = time.perf_counter()
-            block = self._read(key, fingerprint)
-            return TimedRead(block, tic, time.perf_counter())
-
         def forget(key: str, future: Future[TimedRead]) -> None:
             with self._lock:
                 if self._ahead.get(key) is future:
@@ -340,7 +335,7 @@ class SSDTier:
             for key in keys:
                 future = self._ahead.get(key)
                 if future is None:
-                    future = self._ahead[key] = pool.submit(timed, key)
+                    future = self._ahead[key] = pool.submit(self._timed_read, key, fingerprint)
                     future.add_done_callback(lambda f, k=key: forget(k, f))
                 futures.append(future)
         return futures
@@ -352,13 +347,12 @@ class SSDTier:
         pool = self._reader_pool("_ahead_pool")
         if pool is None:  # closed
             return self._none_read(keys)
+        return [pool.submit(self._timed_read, key, fingerprint, False) for key in keys]
 
-        def timed(key: str) -> TimedRead:
-            tic = time.perf_counter()
-            block = self._read(key, fingerprint, mark=False)
-            return TimedRead(block, tic, time.perf_counter())
-
-        return [pool.submit(timed, key) for key in keys]
+    def _timed_read(self, key: str, fingerprint: str, mark: bool = True) -> TimedRead:
+        tic = time.perf_counter()
+        block = self._read(key, fingerprint, mark)
+        return TimedRead(block, tic, time.perf_counter())
 
     @staticmethod
     def _none_read(keys: Sequence[str]) -> list[Future[TimedRead]]:
