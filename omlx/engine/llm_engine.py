@@ -93,7 +93,7 @@ class PrefixCacheHooks:
 
     def advance(self, prefetched: Any, move: bool, alone: bool = False) -> bool:
         """Engine thread, each loop: a bounded piece of the prefetch's own work (only with
-        `move`; `alone`: no other request ran since the last call); True once it is ready."""
+        `move`; `alone`: no other request runs or waits, so all of it); True once it is ready."""
         return True
 
     def take(self, prefetched: Any) -> None:
@@ -697,12 +697,14 @@ class LLMEngine:
 
     def _advance_restoring(self) -> None:
         """Move on the prefetches of requests whose cached prefix is being restored (one of
-        them moves a chunk to device memory per loop); those ready go first in line."""
+        them moves a chunk to device memory per loop, all of it when no other request runs or
+        waits); those ready go first in line."""
         mover = next((p for p in self._restoring.values() if getattr(p, "needs_engine", False)), None)
+        alone = not self._running and not self._waiting
         ready: list[tuple[_Handle, Any]] = []
         for handle, prefetched in self._restoring.items():
             try:
-                if self.prefix_cache.advance(prefetched, move=prefetched is mover, alone=not self._running):
+                if self.prefix_cache.advance(prefetched, move=prefetched is mover, alone=alone):
                     ready.append((handle, prefetched))
             except Exception:  # caching is an optimisation: `lookup` restores in line instead
                 log.exception("restoring the cached prefix of %s ahead failed", handle.request.request_id)

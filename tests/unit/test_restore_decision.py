@@ -1140,78 +1140,64 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=factory)
     prompt = [5 + (i * 7) % 390 for i in range(12 * B)]
     bias = {0: -100.0, 1: -100.0, 2: -100.0}
-    advanced: list[bool] = []
+    # (move, tokens the running requests had decoded so far) at each call
+    advanced: list[tuple[bool, int]] = []
     real_advance = PrefixCache.advance
 
     def counting(self, prefetched, move, alone=False):
-        advanced.append(move)
+        advanced.append((move, sum(s.completion_tokens for s in engine._running.values())))
         return real_advance(self, prefetched, move, alone)
 
-    # while it moves blocks in, the engine is not idle: no copies out to RAM or the SSD that
-    # could wait, no piece of a pending store, no emptying of MLX's buffer cache
-    while_moving: list[str] = []
-    real_write_back, real_clear = PrefixCache.write_back, mx.clear_cache
+    observed: list[float] = []  # bytes of each RAM rate observation
 
-    def moving() -> bool:
-        return any(p.needs_engine for p in engine._restoring.values())
+    def push_out() -> None:  # the prompt's blocks go to RAM
+        store.hot.set_max_bytes(0)
+        store.hot.set_max_bytes(1 << 30)
 
-    def watched_write_back(self, idle):
-        if moving():
-            while_moving.append(f"write_back(idle={idle})")
-            time.sleep(0.02)  # as copies out that could not wait would take
-        return real_write_back(self, idle)
-
-    # ... and what the engine does between two moves counts into the RAM rate: the request
-    # waits through it
-    observed: list[float] = []
-
-    def watched_rate(prefetched_cache: PrefixCache) -> None:
-        real_observe = prefetched_cache.warm_rate.observe
-
-        def observe(amount: float, seconds: float) -> None:
-            observed.append(seconds)
-            real_observe(amount, seconds)
-
-        prefetched_cache.warm_rate.observe = observe
-
-    def watched_clear() -> None:
-        if moving():
-            while_moving.append("clear_cache")
-        real_clear()
-
-    async def run(rid: str) -> tuple[list[int], int]:
+    async def run(rid: str, tokens: list[int], n: int = 8) -> tuple[list[int], int]:
         got, cached = [], 0
-        async for ev in engine.generate(GenerationRequest(rid, prompt, 8, SamplingParams(temperature=0.0, logit_bias=bias))):
+        async for ev in engine.generate(GenerationRequest(rid, tokens, n, SamplingParams(temperature=0.0, logit_bias=bias))):
             got += ev.token_ids
             cached = ev.cached_tokens or cached
         return got, cached
 
-    async def main() -> tuple[tuple[list[int], int], tuple[list[int], int]]:
+    async def main() -> list[tuple[list[int], int]]:
         await engine.wait_ready()
-        first = await run("a")
+        first = await run("a", prompt)
         await engine.call(lambda: None)  # after the engine stored its blocks (behind the answer)
-        store.hot.set_max_bytes(0)  # its blocks go to RAM
-        store.hot.set_max_bytes(1 << 30)
+        push_out()
         made[-1].prefill.observe(100, 0, 100.0)  # recomputing is slow: restore
         made[-1].warm_rate.observe(1e9, 1.0)
         monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
-        monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop
+        monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop, while others run
         monkeypatch.setattr(PrefixCache, "advance", counting)
-        monkeypatch.setattr(PrefixCache, "write_back", watched_write_back)
-        monkeypatch.setattr(mx, "clear_cache", watched_clear)
-        watched_rate(made[-1])
-        return first, await run("b")
+        real_observe = made[-1].warm_rate.observe
+        monkeypatch.setattr(made[-1].warm_rate, "observe", lambda n, s: observed.append(n) or real_observe(n, s))
+        alone = await run("b", prompt)  # nothing else runs: the whole run moves in one loop
+        lone_moves, lone_observed = list(advanced), list(observed)
+        advanced.clear()
+        await engine.call(lambda: None)
+        push_out()
+        other = asyncio.create_task(run("c", [9 + (i * 5) % 380 for i in range(3 * B)], 120))
+        while not engine._running:  # decoding, while the next request's prefix comes back
+            await asyncio.sleep(0.01)
+        beside = await run("d", prompt)
+        await other
+        return [first, alone, beside, (lone_moves, lone_observed)]
 
     try:
-        (first, _), (again, cached) = asyncio.run(main())
+        (first, _), (alone, cached_alone), (beside, cached_beside), (lone_moves, lone_observed) = asyncio.run(main())
     finally:
         engine.shutdown()
     # all but the last token, restored ahead (on a CUDA GPU in whole blocks: solo.py's grid)
     usable = len(prompt) - 1 - ((len(prompt) - 1) % B if discrete_gpu() else 0)
-    assert again == first and cached == usable
-    assert advanced.count(True) >= 11  # one block a loop
-    assert while_moving and set(while_moving) == {"write_back(idle=False)"}, while_moving
-    assert len(observed) >= 11 and all(seconds >= 0.02 for seconds in observed[1:]), observed
+    assert alone == beside == first and cached_alone == cached_beside == usable
+    assert [move for move, _ in lone_moves] == [True]  # alone: all of it at once ...
+    block_bytes = made[-1].B * made[-1].bytes_per_token
+    assert lone_observed == [(len(prompt) - 1) // B * block_bytes]  # ... and timed as one move
+    moves = [decoded for move, decoded in advanced if move]
+    assert len(moves) >= 11  # beside a decoding stream: one block a loop ...
+    assert moves[-1] > moves[0]  # ... and the stream went on decoding between them
 
 
 def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]:
