@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.cache.block import CacheBlock, HostBlock
@@ -369,14 +370,21 @@ class Throughput:
 
 class PrefillCost:
     """Seconds this device takes to prefill n tokens after d cached ones, learned from the
-    engine's own prefills: t ≈ a·n + b·n·(d + n/2), a per-token cost plus attention over the
-    context, fitted by least squares with older observations fading out. Restoring from a
-    tier pays when it beats this for the same tokens, so the decision holds at any depth."""
+    engine's own prefills: t ≈ c + a·n + b·n·(d + n/2), a fixed cost per prefill, a per-token
+    cost and attention over the context, fitted by least squares with older observations
+    fading out. Restoring from a tier pays when it beats what recomputing those tokens adds
+    (`seconds`: the fixed cost is paid either way, at least one token is computed), so the
+    decision holds at any depth. Without the fixed term, short prefills (a GPU's ~20-60 ms
+    of launches and graph lookups for 64 tokens) bent the fit until the attention term came
+    out negative and was dropped: on an H200 at 8B, 12,000 tokens 20,000 deep were predicted
+    at 0.53 s (32,000 at the root: 1.41 s) and took 0.9 s."""
+
+    TERMS = 3
 
     def __init__(self, decay: float = 0.9):
         self.decay = decay
-        self._xx = [[0.0, 0.0], [0.0, 0.0]]
-        self._xt = [0.0, 0.0]
+        self._xx = [[0.0] * self.TERMS for _ in range(self.TERMS)]
+        self._xt = [0.0] * self.TERMS
         self.observations = 0
         self._last_slow = False
 
@@ -384,7 +392,7 @@ class PrefillCost:
         if n <= 0 or seconds <= 0:
             return
         decay, weight = self.decay, 1.0
-        predicted = self.seconds(n, depth)
+        predicted = self._predict(n, depth, whole=True)
         if predicted is not None and seconds < predicted / 2:
             # Much faster than the history says: the history was slowed by something that has
             # passed (a GPU compiling kernels for new shapes on first use), and compute is
@@ -399,10 +407,10 @@ class PrefillCost:
             # flips the next restore decisions.
             weight = SLOW_OUTLIER_WEIGHT
         self._last_slow = slow
-        x = (float(n), n * (depth + n / 2))
-        for i in range(2):
+        x = (1.0, float(n), n * (depth + n / 2))
+        for i in range(self.TERMS):
             self._xt[i] = decay * self._xt[i] + weight * x[i] * seconds
-            for j in range(2):
+            for j in range(self.TERMS):
                 self._xx[i][j] = decay * self._xx[i][j] + weight * x[i] * x[j]
         self.observations += 1
 
@@ -410,23 +418,47 @@ class PrefillCost:
         return {"xx": self._xx, "xt": self._xt, "observations": self.observations}
 
     def load(self, state: dict[str, Any]) -> None:
-        self._xx = [[float(v) for v in row] for row in state["xx"]]
-        self._xt = [float(v) for v in state["xt"]]
+        xx = [[float(v) for v in row] for row in state["xx"]]
+        xt = [float(v) for v in state["xt"]]
+        pad = self.TERMS - len(xt)  # saved before the fixed term: its sums start at zero
+        self._xx = [[0.0] * self.TERMS for _ in range(pad)] + [[0.0] * pad + row for row in xx]
+        self._xt = [0.0] * pad + xt
         self.observations = int(state["observations"])
 
     def seconds(self, n: int, depth: int = 0) -> float | None:
-        """Predicted seconds, or None before the first observation."""
+        """Predicted seconds that n tokens after `depth` add to a prefill (the fixed cost not
+        included), or None before the first observation."""
+        return self._predict(n, depth, whole=False)
+
+    def _predict(self, n: int, depth: int, whole: bool) -> float | None:
         if not self.observations:
             return None
-        (p, q), (_, r) = self._xx
-        det = p * r - q * q
-        a = b = 0.0
-        if det > 1e-9 * p * r:
-            a = (self._xt[0] * r - q * self._xt[1]) / det
-            b = (p * self._xt[1] - q * self._xt[0]) / det
-        if a <= 0 or b < 0:  # too few distinct prefills to separate the terms: per-token cost only
-            a, b = self._xt[0] / p, 0.0
-        return a * n + b * n * (depth + n / 2)
+        c, a, b = self._fit()
+        return (c if whole else 0.0) + a * n + b * n * (depth + n / 2)
+
+    def terms(self) -> tuple[float, float, float]:
+        """The fitted (c, a, b) of t ≈ c + a·n + b·n·(d + n/2); zeros before any observation."""
+        return self._fit() if self.observations else (0.0, 0.0, 0.0)
+
+    def _fit(self) -> tuple[float, float, float]:
+        """(c, a, b): all three terms where the observations tell them apart and none comes
+        out negative, else without the fixed term, else the per-token cost alone."""
+        for terms in ((0, 1, 2), (1, 2)):
+            xx = np.array([[self._xx[i][j] for j in terms] for i in terms])
+            xt = np.array([self._xt[i] for i in terms])
+            scale = np.sqrt(np.diag(xx))
+            if np.any(scale <= 0):
+                continue
+            normed = xx / np.outer(scale, scale)  # conditioned: the terms differ by ~10^9
+            if np.linalg.cond(normed) > 1e8:
+                continue
+            coef = np.linalg.solve(normed, xt / scale) / scale
+            if terms[0] == 0 and coef[0] < 0:
+                continue
+            if coef[-2] > 0 and coef[-1] >= 0:
+                fitted = dict(zip(terms, coef.tolist(), strict=True))
+                return fitted.get(0, 0.0), fitted[1], fitted[2]
+        return 0.0, self._xt[1] / self._xx[1][1], 0.0
 
 
 def sliceable(model: Any) -> tuple[bool, str]:
@@ -815,10 +847,12 @@ class PrefixCache(PrefixCacheHooks):
         pays = restore_s < RESTORE_MARGIN * recompute_s
         if log.isEnabledFor(logging.DEBUG):
             tier = "SSD" if rate is self.ssd_rate else "RAM moves" if rate is self.warm_rate else "RAM copies"
+            c, a, b = self.prefill.terms()
             log.debug(
-                "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s",
+                "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s"
+                " (prefill fit: %.4fs + %.3gs/token + %.3gs/token/context token)",
                 self.model_id, n_tokens, depth, tier, restore_s, rate.value / 1e9, recompute_s,
-                "restore" if pays else "recompute",
+                "restore" if pays else "recompute", c, a, b,
             )  # fmt: skip
         return pays
 

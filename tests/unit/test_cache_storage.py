@@ -941,6 +941,30 @@ def test_prefill_cost_learns_per_token_and_attention_terms() -> None:
         assert cost.seconds(n, depth) == pytest.approx(a * n + b * n * (depth + n / 2), rel=0.05)
 
 
+def test_prefill_cost_sets_a_fixed_cost_per_prefill_apart() -> None:
+    # a GPU's prefill has a fixed part (launches, graph lookups): fitted as tokens, it bent the
+    # attention term negative and deep recomputes were predicted far too cheap; recomputing
+    # part of a prompt does not save it, so the prediction leaves it out
+    from omlx.cache.prefix_cache import PrefillCost
+
+    c, a, b = 0.05, 3e-5, 1e-9
+    cost = PrefillCost()
+    for n, depth in [(128, 0), (32000, 0), (64, 32000), (8000, 0), (64, 8000), (2000, 6000), (128, 0), (32000, 0)]:
+        cost.observe(n, depth, c + a * n + b * n * (depth + n / 2))
+    for n, depth in [(12032, 19968), (32000, 0), (256, 30000)]:
+        assert cost.seconds(n, depth) == pytest.approx(a * n + b * n * (depth + n / 2), rel=0.05)
+
+
+def test_prefill_cost_saved_before_the_fixed_term_still_loads() -> None:
+    from omlx.cache.prefix_cache import PrefillCost
+
+    cost = PrefillCost()
+    cost.load({"xx": [[1e6, 0.0], [0.0, 0.0]], "xt": [2000.0, 0.0], "observations": 1})  # 1000 tokens: 2 s
+    assert cost.seconds(2000) == pytest.approx(4.0)
+    cost.observe(4000, 0, 8.0)
+    assert cost.seconds(1000) == pytest.approx(2.0)
+
+
 def test_the_ram_tier_budget_is_added_to_mlx_memory_limit_once() -> None:
     # RAM's blocks are MLX arrays in host memory: without room in MLX's limit for them, MLX on
     # CUDA would empty its buffer cache at every allocation once RAM fills
