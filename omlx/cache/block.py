@@ -8,6 +8,7 @@ shared by any number of requests and tiers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zlib
 from collections.abc import Iterable, Mapping
@@ -44,9 +45,11 @@ class CacheBlock:
     layer_types: list[str]
     tensors: dict[str, mx.array] = field(repr=False)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Bytes of tensor data (what the byte budgets of the tiers count)."""
+        """Bytes of tensor data (what the byte budgets of the tiers count); a block's tensors
+        never change, and a lookup asks for a whole run's sizes (125 blocks of 32 or 64
+        tensors for 32,000 tokens)."""
         return sum(int(t.nbytes) for t in self.tensors.values())
 
 
@@ -69,7 +72,7 @@ class HostBlock:
     host: HostTensors = field(repr=False)
     staged: mx.array | None = field(default=None, repr=False, compare=False)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(int(data.nbytes) for _, _, data in self.host.values())
 
