@@ -374,10 +374,11 @@ class PrefillCost:
     cost and attention over the context, fitted by least squares with older observations
     fading out. Restoring from a tier pays when it beats what recomputing those tokens adds
     (`seconds`: the fixed cost is paid either way, at least one token is computed), so the
-    decision holds at any depth. Without the fixed term, short prefills (a GPU's ~20-60 ms
-    of launches and graph lookups for 64 tokens) bent the fit until the attention term came
-    out negative and was dropped: on an H200 at 8B, 12,000 tokens 20,000 deep were predicted
-    at 0.53 s (32,000 at the root: 1.41 s) and took 0.9 s."""
+    decision holds at any depth. A GPU's prefill has a fixed part (launches, graph lookups:
+    tens of ms, most of a 64-token prefill), which fitted as tokens distorts the other two
+    terms. Where the prefills do not tell the attention term apart (say, all of one length)
+    it is left out, and deep recomputes look cheap: on an H200 at 8B, 12,000 tokens 20,000
+    deep were predicted at 0.53 s (32,000 at the root: 1.41 s) and took 0.9 s."""
 
     TERMS = 3
 
