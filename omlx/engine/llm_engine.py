@@ -179,6 +179,8 @@ class _Running:
     first_token: float | None = None
     completion_tokens: int = 0
     pending: GenerationEvent = field(default_factory=GenerationEvent)
+    # a solo prefill's chunks (for the debug log: the device's time against the loop's)
+    chunk_seconds: list[float] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -946,7 +948,10 @@ class LLMEngine:
         """One chunk of the solo prompt, or one token, as `BatchGenerator.next` would do."""
         solo = state.solo
         if solo.prefilling:
-            if not solo.prefill():
+            tic = time.perf_counter()
+            done = solo.prefill()
+            state.chunk_seconds.append(time.perf_counter() - tic)
+            if not done:
                 return
             self._observe_prefill(state)
             state.store_prompt = self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens)
@@ -974,7 +979,17 @@ class LLMEngine:
         computed = state.prompt_len - state.cached_tokens
         if self.prefill_quantum:  # the last chunk's padding was computed too
             computed = -(-(computed - 1) // self.prefill_quantum) * self.prefill_quantum + 1
-        self.prefix_cache.observe_prefill(computed, state.cached_tokens, time.perf_counter() - state.prefill_start)
+        seconds = time.perf_counter() - state.prefill_start
+        self.prefix_cache.observe_prefill(computed, state.cached_tokens, seconds)
+        if state.chunk_seconds and log.isEnabledFor(logging.DEBUG):
+            # a slow prefill: evenly slower chunks (the device), one slow chunk (a graph built,
+            # pages faulted in) or time between them (the engine loop)?
+            chunks = state.chunk_seconds
+            log.debug(
+                "request=%s prefilled %d tokens after %d in %.3fs: %d chunks %.3fs (slowest #%d %.3fs), between %.3fs",
+                state.handle.request.request_id, computed, state.cached_tokens, seconds, len(chunks), sum(chunks),
+                max(range(len(chunks)), key=chunks.__getitem__), max(chunks), seconds - sum(chunks),
+            )  # fmt: skip
 
     def _solo_token(self, state: _Running, *, launch: bool) -> int:
         """Take the solo sequence's pending token through the same path as a batch's."""

@@ -227,6 +227,36 @@ def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path, own
         assert after == []
 
 
+def test_a_solo_prefill_logs_its_chunks_against_the_time_between_them(
+    model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the debug line that tells a slower device (every chunk slower) from a slow chunk (a graph
+    # built, pages faulted in) and from time the engine loop spent between chunks
+    import logging
+    import re
+
+    engine = make_engine(model_path, solo=True, prefill_step_size=16, solo_prefill_step_size=16)
+
+    async def main() -> dict:
+        await engine.wait_ready()
+        return await run_one(engine, request("c", [3 + (i * 11) % 390 for i in range(70)], 2))
+
+    with caplog.at_level(logging.DEBUG, logger="omlx.engine"):
+        drive(engine, main)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request=c prefilled")]
+    assert len(lines) == 1, lines
+    got = re.fullmatch(
+        r"request=c prefilled 70 tokens after 0 in ([0-9.]+)s: (\d+) chunks ([0-9.]+)s "
+        r"\(slowest #(\d+) ([0-9.]+)s\), between (-?[0-9.]+)s",
+        lines[0],
+    )
+    assert got, lines[0]
+    total, chunks, inside, slowest, slowest_s, between = got.groups()
+    assert int(chunks) == 5  # 16, 16, 16, 16 and 5 tokens, the last of the 70 fed alone in the fifth call
+    assert 0 <= int(slowest) < 5 and float(slowest_s) <= float(inside) <= float(total)
+    assert float(between) == pytest.approx(float(total) - float(inside), abs=0.002)
+
+
 def test_a_lone_request_is_prefilled_in_larger_chunks_where_the_engine_prefills(model_path: Path) -> None:
     # a multiple of the step (a hand-off keeps chunks on the step's grid), 2048 at least on a
     # CUDA GPU (own prefill); elsewhere the step
