@@ -91,7 +91,7 @@ _COSTS_LOCK = threading.Lock()
 class Prefetch:
     """One request's cached prefix made ready off the critical path (`PrefixCache.prefetch`):
     its SSD run read on reader threads, its RAM run moved to device memory a chunk per engine
-    loop (`advance`), deepest block first."""
+    loop while other requests run (else at once: `advance`), deepest block first."""
 
     keys: list[str]  # the SSD run read ahead
     futures: list[Any]  # of `TimedRead`, in the order of `keys`
@@ -709,7 +709,7 @@ class PrefixCache(PrefixCacheHooks):
         of an 8B model is 4 GB: seconds of disk, or ~2 s of host -> device copy from RAM). The
         SSD run is read on the SSD tier's threads (`on_done` is called, on some thread, when
         the reads are over); the RAM run is moved to device memory by `advance`, a chunk per
-        engine loop. Only runs of at least `PREFETCH_MIN_BYTES` that the measured rates say to
+        engine loop while other requests run. Only runs of at least `PREFETCH_MIN_BYTES` that the measured rates say to
         restore; None when there is nothing to do ahead."""
         ssd, hot, warm = self.tiers.ssd, self.tiers.hot, self.tiers.warm
         if (ssd is None and warm is None) or not self.bytes_per_token:

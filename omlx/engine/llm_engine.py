@@ -244,7 +244,8 @@ class LLMEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting: deque[_Handle] = deque()
         # requests whose cached prefix is being made ready while the engine goes on
-        # (`PrefixCacheHooks.prefetch`): read from the SSD, moved from RAM a chunk per loop
+        # (`PrefixCacheHooks.prefetch`): read from the SSD, moved from RAM a chunk per loop (at
+        # once when no other request runs or waits)
         self._restoring: dict[_Handle, Any] = {}
         self._running: dict[int, _Running] = {}
         self._by_request: dict[str, _Handle] = {}
@@ -739,8 +740,8 @@ class LLMEngine:
 
     def _read_ahead(self, handle: _Handle) -> bool:
         """Whether the request's cached prefix is being made ready ahead (read from the SSD
-        off this thread, moved from RAM a chunk per loop); done in `lookup`, every running
-        stream would wait for it."""
+        off this thread, moved from RAM a chunk per loop while others run); done in `lookup`,
+        every running stream would wait for it."""
         req = handle.request
         if req.max_tokens <= 0:
             return False
