@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.block_hash import block_keys, chain_key, model_fingerprint, weights_digest
 from omlx.cache.hot_tier import HotTier
+from omlx.cache.prefill_cost import PrefillCost, attention_ratio
 from omlx.cache.ssd_tier import SSDTier
 from omlx.engine.llm_engine import PrefixCacheHooks
 from omlx.platform_info import discrete_gpu
@@ -58,7 +58,6 @@ MIN_TAIL_ONLY_TOKENS = 32
 # ~7 ms, 64 MB showed as 30 ms of queue; a 256-token block of an 8B model is 32 MB).
 WRITE_BACK_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 16 << 20
-SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted (`PrefillCost`)
 # A slow tier is restored from only when its estimate beats recomputing by this factor. A
 # restore from host memory varies more than a prefill (on an H200 the same 1 GB from RAM took
 # 0.82 and 1.19 s, recomputing it 0.68-0.88 s): within a fifth of each other the two are a
@@ -368,100 +367,6 @@ class Throughput:
             self._bytes, self._seconds = (float(x) for x in state)
 
 
-class PrefillCost:
-    """Seconds this device takes to prefill n tokens after d cached ones, learned from the
-    engine's own prefills: t ≈ c + a·n + b·n·(d + n/2), a fixed cost per prefill, a per-token
-    cost and attention over the context, fitted by least squares with older observations
-    fading out. Restoring from a tier pays when it beats what recomputing those tokens adds
-    (`seconds`: the fixed cost is paid either way, at least one token is computed), so the
-    decision holds at any depth. A GPU's prefill has a fixed part (launches, graph lookups:
-    tens of ms, most of a 64-token prefill), which fitted as tokens distorts the other two
-    terms. Where the prefills do not tell the attention term apart (say, all of one length)
-    it is left out, and deep recomputes look cheap: on an H200 at 8B, 12,000 tokens 20,000
-    deep were predicted at 0.53 s (32,000 at the root: 1.41 s) and took 0.9 s."""
-
-    TERMS = 3
-
-    def __init__(self, decay: float = 0.9):
-        self.decay = decay
-        self._xx = [[0.0] * self.TERMS for _ in range(self.TERMS)]
-        self._xt = [0.0] * self.TERMS
-        self.observations = 0
-        self._last_slow = False
-
-    def observe(self, n: int, depth: int, seconds: float) -> None:
-        if n <= 0 or seconds <= 0:
-            return
-        decay, weight = self.decay, 1.0
-        predicted = self._predict(n, depth, whole=True)
-        if predicted is not None and seconds < predicted / 2:
-            # Much faster than the history says: the history was slowed by something that has
-            # passed (a GPU compiling kernels for new shapes on first use), and compute is
-            # never faster than the device allows, so start over from this one: an estimate
-            # that is too high makes slow restores look worth it.
-            decay = 0.0
-        slow = predicted is not None and seconds > 1.5 * predicted
-        if slow and not self._last_slow:
-            # Much slower, after one that was not: most likely a one-off (on CUDA each new
-            # prompt shape builds cuDNN graphs, ~60 ms apiece), so it counts a fifth; the
-            # next slow one counts fully (a lasting slowdown). Otherwise one such prefill
-            # flips the next restore decisions.
-            weight = SLOW_OUTLIER_WEIGHT
-        self._last_slow = slow
-        x = (1.0, float(n), n * (depth + n / 2))
-        for i in range(self.TERMS):
-            self._xt[i] = decay * self._xt[i] + weight * x[i] * seconds
-            for j in range(self.TERMS):
-                self._xx[i][j] = decay * self._xx[i][j] + weight * x[i] * x[j]
-        self.observations += 1
-
-    def state(self) -> dict[str, Any]:
-        return {"xx": self._xx, "xt": self._xt, "observations": self.observations}
-
-    def load(self, state: dict[str, Any]) -> None:
-        xx = [[float(v) for v in row] for row in state["xx"]]
-        xt = [float(v) for v in state["xt"]]
-        pad = self.TERMS - len(xt)  # saved before the fixed term: its sums start at zero
-        self._xx = [[0.0] * self.TERMS for _ in range(pad)] + [[0.0] * pad + row for row in xx]
-        self._xt = [0.0] * pad + xt
-        self.observations = int(state["observations"])
-
-    def seconds(self, n: int, depth: int = 0) -> float | None:
-        """Predicted seconds that n tokens after `depth` add to a prefill (the fixed cost not
-        included), or None before the first observation."""
-        return self._predict(n, depth, whole=False)
-
-    def _predict(self, n: int, depth: int, whole: bool) -> float | None:
-        if not self.observations:
-            return None
-        c, a, b = self._fit()
-        return (c if whole else 0.0) + a * n + b * n * (depth + n / 2)
-
-    def terms(self) -> tuple[float, float, float]:
-        """The fitted (c, a, b) of t ≈ c + a·n + b·n·(d + n/2); zeros before any observation."""
-        return self._fit() if self.observations else (0.0, 0.0, 0.0)
-
-    def _fit(self) -> tuple[float, float, float]:
-        """(c, a, b): all three terms where the observations tell them apart and none comes
-        out negative, else without the fixed term, else the per-token cost alone."""
-        for terms in ((0, 1, 2), (1, 2)):
-            xx = np.array([[self._xx[i][j] for j in terms] for i in terms])
-            xt = np.array([self._xt[i] for i in terms])
-            scale = np.sqrt(np.diag(xx))
-            if np.any(scale <= 0):
-                continue
-            normed = xx / np.outer(scale, scale)  # conditioned: the terms differ by ~10^9
-            if np.linalg.cond(normed) > 1e8:
-                continue
-            coef = np.linalg.solve(normed, xt / scale) / scale
-            if terms[0] == 0 and coef[0] < 0:
-                continue
-            if coef[-2] > 0 and coef[-1] >= 0:
-                fitted = dict(zip(terms, coef.tolist(), strict=True))
-                return fitted.get(0, 0.0), fitted[1], fitted[2]
-        return 0.0, self._xt[1] / self._xx[1][1], 0.0
-
-
 def sliceable(model: Any) -> tuple[bool, str]:
     """Only plain KVCache layers can be cut into token ranges and concatenated back."""
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
@@ -471,13 +376,16 @@ def sliceable(model: Any) -> tuple[bool, str]:
 
 
 class PrefixCache(PrefixCacheHooks):
-    def __init__(self, store: CacheStore, fingerprint: str, num_layers: int, model_id: str):
+    def __init__(
+        self, store: CacheStore, fingerprint: str, num_layers: int, model_id: str, attention: float | None = None
+    ):
         self.tiers = store
         self.fp = fingerprint
         self.B = self.block_size = store.block_size
         self.num_layers = num_layers
         self.model_id = model_id
-        self.prefill = PrefillCost()  # recompute cost on this device, by length and depth
+        # recompute cost on this device, by length and depth (`attention`: the model's b/a)
+        self.prefill = PrefillCost(prior=attention)
         self.ssd_rate = Throughput()  # bytes/s of SSD restores
         self.warm_rate = Throughput()  # bytes/s of restores moved from host RAM (the warm tier)
         self.warm_copy_rate = Throughput()  # ... and copied from it (a run the hot tier cannot keep)
@@ -1303,4 +1211,6 @@ def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:
     fp = model_fingerprint(
         loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, "kv", store.block_size
     )
-    return PrefixCache(store, fp, len(make_prompt_cache(loaded.model)), loaded.info.id)
+    return PrefixCache(
+        store, fp, len(make_prompt_cache(loaded.model)), loaded.info.id, attention=attention_ratio(loaded.model)
+    )

@@ -966,6 +966,71 @@ def test_prefill_cost_saved_before_the_fixed_term_still_loads() -> None:
     assert cost.seconds(1000) == pytest.approx(2.0)
 
 
+def test_prefill_cost_takes_the_attention_share_from_the_model_where_prefills_do_not_tell_it() -> None:
+    # all prefills of one length at the root: the attention term cannot be told from the
+    # per-token one; without a prior it is dropped, and a deep recompute looks cheap
+    from omlx.cache.prefix_cache import PrefillCost
+
+    c, a, b = 0.05, 2.5e-5, 1e-9
+    truth = a * 12032 + b * 12032 * (19968 + 12032 / 2)
+    blind, told = PrefillCost(), PrefillCost(prior=b / a)
+    for cost in (blind, told):
+        for _ in range(3):
+            cost.observe(32000, 0, c + a * 32000 + b * 32000 * 16000)
+            cost.observe(128, 0, c + a * 128 + b * 128 * 64)
+    assert blind.seconds(12032, 19968) < 0.85 * truth
+    assert told.seconds(12032, 19968) == pytest.approx(truth, rel=0.02)
+
+
+def test_prefill_cost_distrusts_a_fit_far_from_the_model_s_attention_share() -> None:
+    # four prefills at the root whose noise bends the curve: fitted freely, 9x the attention the
+    # shapes allow; with the model's share as the prior, a fit within its span is taken
+    from omlx.cache.prefix_cache import PrefillCost
+
+    prior = 4e-5
+    prefills = [(512, 0, 0.06), (4000, 0, 0.11), (16000, 0, 0.45), (32000, 0, 1.40)]
+    free, told = PrefillCost(), PrefillCost(prior=prior)
+    for cost in (free, told):
+        for n, depth, seconds in prefills:
+            cost.observe(n, depth, seconds)
+    _, fa, fb = free.terms()
+    assert fb / fa > 8 * prior  # what the prior guards against
+    c, a, b = told.terms()
+    assert prior / 8 <= b / a <= 8 * prior and c >= 0 and a > 0
+    assert told.seconds(32000) + c == pytest.approx(1.40, rel=0.15)  # still near what was seen
+
+
+def test_attention_share_from_a_model_s_shapes() -> None:
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from omlx.cache.prefill_cost import attention_ratio
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,
+        rms_norm_eps=1e-5, vocab_size=100, num_key_value_heads=2,
+    )  # fmt: skip
+    model = llama.Model(args)
+    # per layer: q, o 64x64; k, v 64x32; gate, up, down 64x128
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+    expected = 2 * 3 * 4 * 16 / (3 * per_layer)
+    assert attention_ratio(model) == pytest.approx(expected)
+    nn.quantize(model, group_size=32, bits=4)  # packed weights count as the values they hold
+    assert attention_ratio(model) == pytest.approx(expected)
+    windowed = SimpleNamespace(args=SimpleNamespace(**{**vars(args), "sliding_window": 4096}), layers=model.layers)
+    assert attention_ratio(windowed) is None
+
+    class Experts(nn.Module):  # a mixture of experts: 3-D weights, work per token unknown
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = mx.zeros((8, 64, 128))
+
+    moe = SimpleNamespace(args=args, layers=[Experts()])
+    assert attention_ratio(moe) is None
+
+
 def test_the_ram_tier_budget_is_added_to_mlx_memory_limit_once() -> None:
     # RAM's blocks are MLX arrays in host memory: without room in MLX's limit for them, MLX on
     # CUDA would empty its buffer cache at every allocation once RAM fills
