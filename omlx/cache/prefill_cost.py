@@ -22,6 +22,7 @@ def attention_ratio(model: Any) -> float | None:
     their weights' count. None where a layer's work is not told by that: weights of more than
     two dimensions (mixtures of experts, convolutions of state-space layers), or attention
     over a sliding window."""
+    import mlx.core as mx
     import mlx.nn as nn
 
     args, layers = getattr(model, "args", None), getattr(model, "layers", None)
@@ -34,8 +35,8 @@ def attention_ratio(model: Any) -> float | None:
     for layer in layers:
         for _, module in layer.named_modules():
             weight = module.get("weight")  # an MLX module is a dict of its parameters and children
-            if weight is None or weight.ndim < 2:
-                continue  # norms
+            if not isinstance(weight, mx.array) or weight.ndim < 2:
+                continue  # norms, or a child module that happens to be called so
             if weight.ndim > 2:
                 return None
             if isinstance(module, nn.QuantizedLinear):

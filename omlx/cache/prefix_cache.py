@@ -1211,6 +1211,9 @@ def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:
     fp = model_fingerprint(
         loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, "kv", store.block_size
     )
-    return PrefixCache(
-        store, fp, len(make_prompt_cache(loaded.model)), loaded.info.id, attention=attention_ratio(loaded.model)
-    )
+    try:
+        attention = attention_ratio(loaded.model)
+    except Exception:  # a prior for an estimate: never worth failing a load over
+        log.warning("model %s: attention's share of the prefill cost not read from its shapes", loaded.info.id)
+        attention = None
+    return PrefixCache(store, fp, len(make_prompt_cache(loaded.model)), loaded.info.id, attention=attention)
