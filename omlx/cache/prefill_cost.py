@@ -5,26 +5,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted
 # A fit whose attention term per token, against its per-token term, lies further than this
-# factor from what the model's shapes say (`attention_ratio`) is not trusted: attention kernels
-# run below the matrix multiplies' efficiency (more so on a CPU), but not by tenfold, and a
-# fit through a few noisy prefills can be off by that much (on an H200 at 8B one gave 11x).
+# factor from what the model's shapes say (`attention_ratio`) is not trusted. Attention kernels
+# run below the matrix multiplies' efficiency, which the span allows for; a fit through a few
+# noisy prefills can be off by more: on an H200 at 8B one gave 11x, with a per-token cost
+# that would have meant 2.6 PFLOP/s through the linear layers.
 PRIOR_SPAN = 8.0
 
 
 def attention_ratio(model: Any) -> float | None:
     """The attention term's share against the per-token term (b/a of `PrefillCost`) that a
-    plain transformer's shapes give: per query token and context token, attention multiplies
-    and adds 2·heads·head_dim twice a layer (QKᵀ, then AV); per token, the linear layers do
-    their weights' count. None where a layer's work is not told by that: weights of more than
-    two dimensions (mixtures of experts, convolutions of state-space layers), or attention
-    over a sliding window."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
+    plain transformer's shapes give: per query token and context token, attention does
+    heads·head_dim multiply-adds twice a layer (QKᵀ, then AV); per token, the linear layers
+    do as many as they have weights. None where a layer's work is not told by that: weights
+    of more than two dimensions (mixtures of experts, convolutions of state-space layers),
+    or attention over a sliding window."""
     args, layers = getattr(model, "args", None), getattr(model, "layers", None)
     heads = getattr(args, "num_attention_heads", None)
     hidden = getattr(args, "hidden_size", None)
