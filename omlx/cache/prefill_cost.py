@@ -72,6 +72,7 @@ class PrefillCost:
         self._xt = [0.0] * self.TERMS
         self.observations = 0
         self._last_slow = False
+        self._fitted: tuple[float, float, float] | None = None  # `_fit` until the sums change
 
     def observe(self, n: int, depth: int, seconds: float) -> None:
         if n <= 0 or seconds <= 0:
@@ -98,6 +99,7 @@ class PrefillCost:
             for j in range(self.TERMS):
                 self._xx[i][j] = decay * self._xx[i][j] + weight * x[i] * x[j]
         self.observations += 1
+        self._fitted = None
 
     def state(self) -> dict[str, Any]:
         return {"xx": self._xx, "xt": self._xt, "observations": self.observations}
@@ -109,6 +111,7 @@ class PrefillCost:
         self._xx = [[0.0] * self.TERMS for _ in range(pad)] + [[0.0] * pad + row for row in xx]
         self._xt = [0.0] * pad + xt
         self.observations = int(state["observations"])
+        self._fitted = None
 
     def seconds(self, n: int, depth: int = 0) -> float | None:
         """Predicted seconds that n tokens after `depth` add to a prefill (the fixed cost not
@@ -126,6 +129,12 @@ class PrefillCost:
         return self._fit() if self.observations else (0.0, 0.0, 0.0)
 
     def _fit(self) -> tuple[float, float, float]:
+        """The fit of the current sums, made once (asked by every restore decision)."""
+        if self._fitted is None:
+            self._fitted = self._fit_sums()
+        return self._fitted
+
+    def _fit_sums(self) -> tuple[float, float, float]:
         """(c, a, b): all three terms where the observations tell them apart, none comes out
         negative and b/a agrees with the prior (within `PRIOR_SPAN`), else without the fixed
         term; failing both, b = prior·a with the fixed term fitted, else without; with no

@@ -95,8 +95,7 @@ class Prefetch:
     keys: list[str]  # the SSD run read ahead
     futures: list[Any]  # of `TimedRead`, in the order of `keys`
     ram_keys: list[str] = field(default_factory=list)  # the RAM run still to move, root first
-    moved_at: float | None = None  # when `advance` last moved a chunk (`time.perf_counter`)
-    first_move: float | None = None  # ... and first began to (with the sums below: the debug log)
+    first_move: float | None = None  # when `advance` first moved a chunk (with the sums below: the debug log)
     moving_s: float = 0.0
     moved_bytes: int = 0
     loops: int = 0
@@ -617,8 +616,8 @@ class PrefixCache(PrefixCacheHooks):
         of an 8B model is 4 GB: seconds of disk, or ~2 s of host -> device copy from RAM). The
         SSD run is read on the SSD tier's threads (`on_done` is called, on some thread, when
         the reads are over); the RAM run is moved to device memory by `advance`, a chunk per
-        engine loop while other requests run. Only runs of at least `PREFETCH_MIN_BYTES` that the measured rates say to
-        restore; None when there is nothing to do ahead."""
+        engine loop while other requests run. Only runs of at least `PREFETCH_MIN_BYTES` that
+        the measured rates say to restore; None when there is nothing to do ahead."""
         ssd, hot, warm = self.tiers.ssd, self.tiers.hot, self.tiers.warm
         if (ssd is None and warm is None) or not self.bytes_per_token:
             return None
@@ -700,19 +699,19 @@ class PrefixCache(PrefixCacheHooks):
                 self.tiers.moved_in(size)
                 for block in moved:
                     hot.put(block)
-                prefetched.moved_at = time.perf_counter()
-                self.warm_rate.observe(size, prefetched.moved_at - tic)
+                toc = time.perf_counter()
+                self.warm_rate.observe(size, toc - tic)
                 self._save_costs()
                 if prefetched.first_move is None:
                     prefetched.first_move = tic
-                prefetched.moving_s += prefetched.moved_at - tic
+                prefetched.moving_s += toc - tic
                 prefetched.moved_bytes += size
                 prefetched.loops += 1
                 if not prefetched.ram_keys:
                     log.debug(
                         "%s: %d bytes moved in from RAM ahead in %d loops: %.3fs moving, %.3fs from the first move",
                         self.model_id, prefetched.moved_bytes, prefetched.loops, prefetched.moving_s,
-                        prefetched.moved_at - prefetched.first_move,
+                        toc - prefetched.first_move,
                     )  # fmt: skip
         return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
 
