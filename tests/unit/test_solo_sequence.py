@@ -327,7 +327,7 @@ def test_newcomers_are_prefilled_by_the_engine_and_join_the_batch(model_path: Pa
 
 @pytest.mark.parametrize("empties", [True, False])
 def test_an_idle_engine_empties_buffers_other_threads_freed_into_the_cache_where_asked(
-    model_path: Path, empties: bool
+    model_path: Path, empties: bool, monkeypatch
 ) -> None:
     # On CUDA a buffer the host has read (the SSD writer's copy of a block) is managed memory,
     # and MLX's cache would hand it to the next prefill, which faults its pages back. Freed by
@@ -352,10 +352,22 @@ def test_an_idle_engine_empties_buffers_other_threads_freed_into_the_cache_where
             await asyncio.sleep(0.02)
         return cond()
 
+    clears: list[int] = []  # requests running at each of the engine's clears
+    real_clear = mx.clear_cache
+
+    def spy() -> None:
+        clears.append(len(engine._running))
+        real_clear()
+
     async def main() -> tuple[bool, bool]:
         await engine.wait_ready()
+        monkeypatch.setattr(mx, "clear_cache", spy)
         await run_one(engine, request("a", PROMPT_A, 4))
-        settled = await wait_for(lambda: mx.get_cache_memory() == 0, 3.0)  # its own steps' buffers, as ever
+        # its own steps' buffers, emptied as ever once it is idle: wait for that clear itself, not
+        # only for an empty cache, which can read empty while the last step still holds its
+        # buffers, the clear then coming after `free_one` (how a one-off failure of the `False`
+        # case on the H200, four test groups at once, is read; 5 runs alone passed there)
+        settled = await wait_for(lambda: 0 in clears and mx.get_cache_memory() == 0, 3.0)
         await asyncio.to_thread(free_one)
         assert mx.get_cache_memory() > 0
         return settled, await wait_for(lambda: mx.get_cache_memory() == 0, 1.5)
