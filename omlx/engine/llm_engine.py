@@ -154,6 +154,7 @@ class _Handle:
     taken: float | None = None  # when the engine first took it (a read-ahead may follow)
     queued: float = 0.0  # seconds from the API building the request to `taken`
     prefetched: Any = None  # its finished read-ahead, for `_insert`
+    admit_s: tuple[float, float] = (0.0, 0.0)  # finishing its prefix's stores, asking for a read-ahead
     first_out: bool = False  # its first event has left the event loop (`generate`)
 
 
@@ -729,7 +730,10 @@ class LLMEngine:
                     handle.taken = time.perf_counter()
                     handle.queued = max(0.0, time.time() - handle.request.created)
                     self._finish_stores_for(handle.request.prompt_tokens)
-                    if self._read_ahead(handle):
+                    asked = time.perf_counter()
+                    ahead = self._read_ahead(handle)
+                    handle.admit_s = (asked - handle.taken, time.perf_counter() - asked)
+                    if ahead:
                         continue
                 self._insert(handle)
             except Exception as exc:
@@ -771,13 +775,21 @@ class LLMEngine:
         if handle.prefetched is not None:
             self.prefix_cache.take(handle.prefetched)
             handle.prefetched = None
+        looked = time.perf_counter()
         cache, cached = self.prefix_cache.lookup(tokens)
         cache, cached = align_cached(cache, cached, self.prefill_quantum)
         alone = self.solo_enabled and not self._running and not self._waiting
         own = alone or (self.own_prefill and len(tokens) - cached > 1)
         step = self.solo_prefill_step_size if alone else self.prefill_step_size
+        shaped = time.perf_counter()
         if own:
             cache, cached = self._onto_built_shapes(cache, cached, len(tokens), step)
+        if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
+            log.debug(
+                "request=%s admitted in %.4fs: stores %.4fs, read-ahead asked %.4fs, lookup %.4fs, shapes %.4fs",
+                req.request_id, time.perf_counter() - taken, *handle.admit_s, shaped - looked,
+                time.perf_counter() - shaped,
+            )  # fmt: skip
         stop_seqs = None
         if req.stop_token_ids:
             stop_seqs = StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])
