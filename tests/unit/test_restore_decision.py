@@ -1491,3 +1491,24 @@ def test_a_reloaded_model_keeps_demoting_while_its_old_engine_closes(monkeypatch
     while new.write_back(idle=True):
         pass
     assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
+
+
+def test_an_idle_engine_fits_the_prefill_model_before_the_next_decision(tmp_path: Path, monkeypatch) -> None:
+    # the fit of the latest prefills is made while idle, not in the next request's restore
+    # decision or when its prefill is observed (the model's prediction of it), both of which
+    # add to that request's time to first token
+    from omlx.cache import prefill_cost
+
+    cache = open_cache(tmp_path)
+    fits: list[int] = []
+    real = prefill_cost.PrefillCost._fit_sums
+    monkeypatch.setattr(prefill_cost.PrefillCost, "_fit_sums", lambda self: fits.append(1) or real(self))
+    cache.observe_prefill(1000, 0, 0.5)
+    cache.observe_prefill(200, 1000, 0.2)
+    fits.clear()
+    probe_while_idle(cache)
+    assert len(fits) == 1
+    assert cache.prefill_seconds(500, 0) is not None  # the next request's decision
+    cache.observe_prefill(500, 0, 0.25)  # ...and its prefill
+    assert len(fits) == 1
+    cache.tiers.ssd.close()
