@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Is batch-1 decode slower than at an earlier commit? Two `omlx serve` processes at once on
-the same model, one from a temporary git worktree of REV and one from this checkout, rounds
-alternating between them (a shared machine's noise then falls on both): prints each round's
-tok/s and the best and mean of each side.
+"""Is decode slower than at an earlier commit? Two `omlx serve` processes at once on the same
+model, one from a temporary git worktree of REV and one from this checkout, rounds alternating
+between them (a shared machine's noise then falls on both): prints each round's tok/s and the
+best and mean of each side. Batch-1 by default; `--streams N` times N concurrent streams'
+aggregate tok/s instead (all tokens over the batch's wall time, as `bench_serving.py` does).
 
-    .venv/bin/python benchmarks/ab_decode.py REV [--rounds 6] [--tokens 256]
+    .venv/bin/python benchmarks/ab_decode.py REV [--rounds 6] [--tokens 256] [--streams 8]
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="the earlier commit")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
+    ap.add_argument("--streams", type=int, default=1, help="concurrent streams (aggregate tok/s when > 1)")
     ap.add_argument("--model-path", default=None, help="MLX model folder (default: SmolLM2-135M-Instruct)")
     args = ap.parse_args()
     here = Path(common.REPO_ROOT)
@@ -42,8 +44,11 @@ def main() -> None:
             seeds = iter(range(9000, 10**6))
 
             def decode(server: Server) -> float:
-                (r,), _ = run(stream_many(server, [conversation(model, next(seeds), 64)], args.tokens, fixed_length=True))
-                return r.decode_tps
+                talks = [conversation(model, next(seeds), 64) for _ in range(args.streams)]
+                results, wall = run(stream_many(server, talks, args.tokens, fixed_length=True))
+                if args.streams == 1:
+                    return results[0].decode_tps
+                return sum(r.completion_tokens for r in results) / wall
 
             for s in servers.values():
                 decode(s)  # warm
