@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -10,6 +11,14 @@ import pytest
 
 from tests.support.server import ServerProcess
 from tests.support.tiny_model import build_tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen_heap():
+    """A model loaded in-process freezes the heap (`engine_pool.freeze_heap`), this test
+    process's included: thawed after each test, so no test's garbage outlives it."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
