@@ -77,7 +77,7 @@ class Entry:
 def freeze_heap(unfreeze: bool = False) -> None:
     """Collect, then exempt every object alive now from the collector's later passes.
 
-    A loaded model, its tokenizer and the server's imports are some 360,000 tracked objects
+    A loaded model, its tokenizer and the server's imports are some 340,000 tracked objects
     (SmolLM2 on a CPU), and a full pass over them stops every thread, streams included, for
     ~120 ms on a 2-core CPU (0.1 ms frozen); after a load they only die when their model is
     unloaded. So the heap is frozen after each load, and thawed first at an unload
