@@ -303,8 +303,7 @@ async def delete_model_files(model_id: str, request: Request) -> dict[str, Any]:
             f"Model '{info.id}' lives at {root}, outside the model dir {model_dir}; delete it by hand.",
             param="model",
         )
-    entry = pool.entries.get(info.id)
-    if entry is not None and entry.engine.busy:
+    if pool.state_of(info.id) == "serving":  # no entry held here: the unload's collection frees it
         raise ConflictError(f"Model '{info.id}' is serving requests; try again when they finish.")
     pool.unload(info.id)
     await asyncio.to_thread(shutil.rmtree, root)

@@ -80,9 +80,10 @@ def freeze_heap(unfreeze: bool = False) -> None:
     A loaded model, its tokenizer and the server's imports are some 340,000 tracked objects
     (SmolLM2 on a CPU), and a full pass over them stops every thread, streams included, for
     ~120 ms on a 2-core CPU (0.1 ms frozen); after a load they only die when their model is
-    unloaded. So the heap is frozen after each load, and thawed first at an unload
+    unloaded. So the heap is frozen after each load, and thawed first after an unload
     (`unfreeze`), so that what of the model only the collector can free (cycles; mlx-lm's
-    Llama has none, other models may) is not kept for good."""
+    Llama has none, other models may) is not kept for good. A cycle that is alive at a freeze
+    and dies later (another model's request in flight) waits for the next unload's pass."""
     if unfreeze:
         gc.unfreeze()
     gc.collect()
@@ -101,6 +102,7 @@ class EnginePool:
         self._model_locks: dict[str, asyncio.Lock] = {}
         self._load_lock = asyncio.Lock()  # one load at a time: memory is measured per load
         self._reaper: asyncio.Task | None = None
+        self._collect_pending = False  # an unload's collection is due on the event loop
         self.refresh()
 
     # ----- discovery and names -----------------------------------------------------
@@ -218,26 +220,28 @@ class EnginePool:
         return resolve_compute_dtype(self.settings.compute_dtype) if kind == "llm" else "native"
 
     def _make_room(self, model_id: str, need: int) -> None:
-        """Unload least-recently-used idle, unpinned models until `need` more bytes fit."""
+        """Unload least-recently-used idle, unpinned models until `need` more bytes fit, and
+        collect what they leave now: before the next model's memory is measured."""
         if not self.max_memory:
             return
         used = sum(e.memory for e in self.entries.values())
         if used + need <= self.max_memory:
             return
-        victims = sorted(
-            (
-                (mid, e)
-                for mid, e in self.entries.items()
-                if not e.engine.busy and not self.model_settings.get(mid).pinned
-            ),
-            key=lambda item: item[1].last_used,
+        victims = sorted(  # no entry held here: the collection below would freeze it again
+            (e.last_used, mid, e.memory)
+            for mid, e in self.entries.items()
+            if not e.engine.busy and not self.model_settings.get(mid).pinned
         )
-        for mid, entry in victims:
+        evicted = False
+        for _, mid, memory in victims:
             if used + need <= self.max_memory:
                 break
             log.info("evicting %s (least recently used) to make room for %s", mid, model_id)
-            self.unload(mid)
-            used -= entry.memory
+            self.unload(mid, collect=False)
+            used -= memory
+            evicted = True
+        if evicted:
+            self._collect_unloaded()
         if used + need > self.max_memory:
             raise InsufficientMemoryError(
                 f"Cannot load '{model_id}': it needs about {format_size(need)}, {format_size(used)} is "
@@ -252,18 +256,28 @@ class EnginePool:
         resolved = self.resolve(name)
         return await self._ensure_loaded(resolved)
 
-    def unload(self, model_id: str) -> bool:
+    def unload(self, model_id: str, collect: bool = True) -> bool:
+        """Stop a model's engine and let it go. What only the collector frees of it goes once
+        the callers are done (soon, on the event loop: until they return they may hold its
+        entry, and a pass then would freeze it again for good), or when the caller, passing
+        `collect=False`, calls `_collect_unloaded`."""
         entry = self.entries.pop(model_id, None)
         if entry is None:
             return False
         entry.engine.shutdown()
+        del entry
         log.info("unloaded %s", model_id)
-        try:  # once the callers are done: until they return they hold its entry (a route's
-            # locals, `_make_room`'s victims), and the pass would freeze it again for good
-            asyncio.get_running_loop().call_soon(freeze_heap, True)
-        except RuntimeError:  # no event loop (a shutdown from plain code): now
-            freeze_heap(unfreeze=True)
+        if collect and not self._collect_pending:
+            self._collect_pending = True  # one pass for the models unloaded meanwhile
+            try:
+                asyncio.get_running_loop().call_soon(self._collect_unloaded)
+            except RuntimeError:  # no event loop (a shutdown from plain code): now
+                self._collect_unloaded()
         return True
+
+    def _collect_unloaded(self) -> None:
+        self._collect_pending = False
+        freeze_heap(unfreeze=True)
 
     def state_of(self, model_id: str) -> str:
         if model_id in self.loading:

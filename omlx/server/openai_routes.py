@@ -322,8 +322,7 @@ async def load_model(model_id: str, request: Request):
 async def unload_model(model_id: str, request: Request):
     pool = _pool(request)
     info = pool.resolve(model_id).info
-    entry = pool.entries.get(info.id)
-    if entry is not None and entry.engine.busy:
+    if pool.state_of(info.id) == "serving":  # no entry held here: the unload's collection frees it
         raise InvalidRequestError(f"Model '{info.id}' is serving requests; try again when they finish.", param="model")
     return {"id": info.id, "unloaded": pool.unload(info.id), "state": pool.state_of(info.id)}
 

@@ -49,3 +49,46 @@ def test_a_load_freezes_the_heap_and_an_unload_still_frees_the_model(tiny_model_
         asyncio.run(main())
     finally:
         app.state.pool.shutdown()
+
+
+def test_a_model_evicted_for_another_is_collected_before_that_one_is_measured(tmp_path: Path) -> None:
+    # the evicted model's memory must be gone when the next one's load measures what it took
+    # (the LRU accounting uses that figure), and its cycles must not be frozen for good
+    from omlx.server.app import create_app
+    from omlx.settings import load_settings
+    from tests.support.tiny_model import build_tiny_llama
+
+    root = tmp_path / "models"
+    for i, name in enumerate(("model-a", "model-b")):
+        build_tiny_llama(root / name, seed=i)
+    one = sum(f.stat().st_size for f in (root / "model-a").glob("*.safetensors"))
+    settings = load_settings(
+        {"model_dir": str(root), "max_model_memory": str(int(one * 1.5))}, env={"OMLX_HOME": str(tmp_path / "home")}
+    )
+    app = create_app(settings)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://omlx", timeout=120) as client:
+            assert (await client.post("/v1/models/model-a/load")).status_code == 200
+            held = app.state.pool.entries["model-a"].engine
+            held.itself = held  # only the collector can free it
+            engine, a_bytes = weakref.ref(held), held.memory_bytes
+            del held
+            seen: list[bool] = []  # model-a still alive when model-b's engine was made?
+            factory = app.state.pool.factories["llm"]
+
+            def watching(*args, **kwargs):
+                seen.append(engine() is not None)
+                return factory(*args, **kwargs)
+
+            app.state.pool.factories["llm"] = watching
+            assert (await client.post("/v1/models/model-b/load")).status_code == 200
+            assert list(app.state.pool.entries) == ["model-b"]
+            assert seen == [False]
+            assert app.state.pool.entries["model-b"].engine.memory_bytes >= 0.9 * a_bytes
+
+    try:
+        asyncio.run(main())
+    finally:
+        app.state.pool.shutdown()
