@@ -785,10 +785,12 @@ class LLMEngine:
         if own:
             cache, cached = self._onto_built_shapes(cache, cached, len(tokens), step)
         if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
+            now = time.perf_counter()
             log.debug(
-                "request=%s admitted in %.4fs: stores %.4fs, read-ahead asked %.4fs, lookup %.4fs, shapes %.4fs",
-                req.request_id, time.perf_counter() - taken, *handle.admit_s, shaped - looked,
-                time.perf_counter() - shaped,
+                "request=%s admitted in %.4fs: stores %.4fs, read-ahead asked %.4fs, lookup %.4fs, shapes %.4fs,"
+                " other %.4fs (a read-ahead's wait, prompt logprobs)",
+                req.request_id, now - taken, *handle.admit_s, shaped - looked, now - shaped,
+                looked - taken - sum(handle.admit_s),
             )  # fmt: skip
         stop_seqs = None
         if req.stop_token_ids:
