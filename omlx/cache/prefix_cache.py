@@ -366,6 +366,53 @@ class Throughput:
             self._bytes, self._seconds = (float(x) for x in state)
 
 
+# A block's tensor holding every layer's keys and values, (2 x layers, heads, tokens, head dim):
+# keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
+# keep a tensor per layer and kind ("0.keys", "0.values" ...), as blocks written before did.
+KV_STACK = "kv"
+# A store stacks at most this many bytes of adjacent blocks at once (transient device memory)
+STACK_GROUP_BYTES = 256 << 20
+
+
+def stackable(cache: list[Any]) -> bool:
+    """Whether every layer's keys and values (batch of 1) have one shape but for their length,
+    and one dtype, so a block can hold them as one `KV_STACK` tensor."""
+    first = cache[0].keys
+    return all(
+        t.ndim == 4 and t.shape[0] == 1 and t.shape[1] == first.shape[1] and t.shape[3] == first.shape[3]
+        and t.dtype == first.dtype
+        for c in cache for t in (c.keys, c.values)
+    )  # fmt: skip
+
+
+def _layer_tensors(cache: list[Any], a: int, b: int) -> dict[str, mx.array]:
+    """Tokens a..b of every layer as a tensor per layer and kind (layers that differ in shape)."""
+    tensors = {}
+    for layer, c in enumerate(cache):
+        tensors[f"{layer}.keys"] = mx.contiguous(c.keys[:, :, a:b, :])
+        tensors[f"{layer}.values"] = mx.contiguous(c.values[:, :, a:b, :])
+    return tensors
+
+
+def _layer_kv(block: CacheBlock, layer: int) -> tuple[mx.array, mx.array]:
+    """A block's keys and values of one layer, (1, heads, tokens, head dim), in either format."""
+    kv = block.tensors.get(KV_STACK)
+    if kv is not None:
+        return kv[2 * layer][None], kv[2 * layer + 1][None]
+    return block.tensors[f"{layer}.keys"], block.tensors[f"{layer}.values"]
+
+
+def _first_tokens(t: mx.array, n: int, token_count: int) -> mx.array:
+    """`t` (tokens on axis 2) cut to its first `n` tokens."""
+    return t if n >= token_count else t[:, :, :n, :]
+
+
+def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
+    c = KVCache()
+    c.state = (keys, values, keys.shape[2])
+    return c
+
+
 def sliceable(model: Any) -> tuple[bool, str]:
     """Only plain KVCache layers can be cut into token ranges and concatenated back."""
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}
@@ -827,21 +874,24 @@ class PrefixCache(PrefixCacheHooks):
             self._children.popitem(last=False)
 
     def _to_cache(self, parts: list[tuple[CacheBlock, int]]) -> list[Any]:
-        """Concatenate per layer; `(block, n)` uses the block's first n tokens."""
+        """One KV cache per layer from the blocks; `(block, n)` uses the block's first n tokens.
+        Blocks that stack every layer (`KV_STACK`) are joined with one copy each, and each
+        layer's keys and values are views of the result: joined per layer, 125 blocks of a
+        1B Llama took 14.5 ms on an H200 (4,000 copies) against 2.3 ms, and 44 ms at 8B."""
+        if all(KV_STACK in block.tensors for block, _ in parts):
+            stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
+            kv = stacks[0] if len(stacks) == 1 else mx.concatenate(stacks, axis=2)
+            return [_kv_cache(kv[2 * layer][None], kv[2 * layer + 1][None]) for layer in range(self.num_layers)]
         caches = []
         for layer in range(self.num_layers):
             keys, values = [], []
             for block, n in parts:
-                k, v = block.tensors[f"{layer}.keys"], block.tensors[f"{layer}.values"]
-                if n < block.token_count:
-                    k, v = k[:, :, :n, :], v[:, :, :n, :]
-                keys.append(k)
-                values.append(v)
-            c = KVCache()
+                k, v = _layer_kv(block, layer)
+                keys.append(_first_tokens(k, n, block.token_count))
+                values.append(_first_tokens(v, n, block.token_count))
             k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
             v = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
-            c.state = (k, v, k.shape[2])
-            caches.append(c)
+            caches.append(_kv_cache(k, v))
         return caches
 
     # ----- store ---------------------------------------------------------------------
@@ -891,7 +941,7 @@ class PrefixCache(PrefixCacheHooks):
         if not new:
             self._refresh_chain(chain)
             return 0
-        blocks = [self._make_block(cache, *spec) for spec in new]
+        blocks = self._make_blocks(cache, new)
         for key, parent, a, b in new:
             self._remember_child(parent, key, tokens[a:b])
         mx.eval([t for b in blocks for t in b.tensors.values()])
@@ -924,15 +974,38 @@ class PrefixCache(PrefixCacheHooks):
             if tier is not None:
                 tier.touch_many(order)
 
-    def _make_block(self, cache: list[Any], key: str, parent: str | None, a: int, b: int) -> CacheBlock:
-        tensors = {}
-        for layer, c in enumerate(cache):
-            tensors[f"{layer}.keys"] = mx.contiguous(c.keys[:, :, a:b, :])
-            tensors[f"{layer}.values"] = mx.contiguous(c.values[:, :, a:b, :])
+    def _make_blocks(self, cache: list[Any], specs: list[tuple[str, str | None, int, int]]) -> list[CacheBlock]:
+        """Blocks of `cache` for `(key, parent, start, end)` token ranges. Stacked blocks
+        (`KV_STACK`) are cut from one stack of each run of adjacent ranges, up to
+        `STACK_GROUP_BYTES` at a time: 2 x layers + n copies for n blocks, not 2 x layers x n
+        (4,000 launches for 32,000 tokens of a 1B Llama, every one a wait for the streams
+        the engine decodes meanwhile)."""
+        if not specs:
+            return []
+        if not stackable(cache):
+            return [self._block(key, parent, b - a, _layer_tensors(cache, a, b)) for key, parent, a, b in specs]
+        per_token = 2 * len(cache) * cache[0].keys.shape[1] * cache[0].keys.shape[3] * cache[0].keys.itemsize
+        most = max(1, STACK_GROUP_BYTES // max(1, per_token * self.B))
+        blocks: list[CacheBlock] = []
+        group: list[tuple[str, str | None, int, int]] = []
+        for spec in [*specs, None]:
+            if group and (spec is None or spec[2] != group[-1][3] or len(group) == most):
+                lo, hi = group[0][2], group[-1][3]
+                stack = mx.concatenate([t[:, :, lo:hi, :] for c in cache for t in (c.keys, c.values)])
+                blocks += [
+                    self._block(key, parent, b - a, {KV_STACK: mx.contiguous(stack[:, :, a - lo : b - lo, :])})
+                    for key, parent, a, b in group
+                ]  # fmt: skip
+                group = []
+            if spec is not None:
+                group.append(spec)
+        return blocks
+
+    def _block(self, key: str, parent: str | None, token_count: int, tensors: dict[str, mx.array]) -> CacheBlock:
         return CacheBlock(
-            key=key, parent=parent, fingerprint=self.fp, token_count=b - a,
-            layer_types=["kv"] * len(cache), tensors=tensors,
-        )
+            key=key, parent=parent, fingerprint=self.fp, token_count=token_count,
+            layer_types=["kv"] * self.num_layers, tensors=tensors,
+        )  # fmt: skip
 
     # ----- SSD write-back ----------------------------------------------------------
     def _unwritten_block(self, key: str) -> CacheBlock | None:

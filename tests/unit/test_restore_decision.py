@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache
 
 from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import CacheStore, PrefixCache
+from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache
 from omlx.cache.ssd_tier import SSDTier
 from omlx.platform_info import discrete_gpu
 
@@ -1232,8 +1232,8 @@ def test_a_recomputed_prefix_that_ram_holds_is_made_again_only_if_the_hot_tier_c
         cache.tiers.hot.set_max_bytes(0)  # all let go to RAM: RAM alone holds the prefix
         cache.tiers.hot.set_max_bytes(hot_bytes)
         made: list[str] = []
-        real = cache._make_block
-        monkeypatch.setattr(cache, "_make_block", lambda *a, made=made, real=real: made.append(a[1]) or real(*a))
+        real = cache._block
+        monkeypatch.setattr(cache, "_block", lambda *a, made=made, real=real: made.append(a[0]) or real(*a))
         cache.store(tokens, kv(len(tokens)), final=True)  # the same prefix, recomputed
         assert len(made) == remade
         assert warm.stats()["blocks"] == 5
@@ -1281,7 +1281,7 @@ def test_a_run_restored_from_ram_moves_into_the_hot_tier_as_it_lies_in_ram(monke
         caches, n = cache.lookup(tokens)
     assert n == 8 * B and made == []  # no array made from host bytes
     assert not any(map(warm.contains, keys)) and all(map(hot.contains, keys))
-    first = hot.peek(keys[0]).tensors["0.keys"]
+    first = hot.peek(keys[0]).tensors[KV_STACK]
     before = float(first[0, 0, 0, 0].item())
     np.asarray(staged[keys[0]])[3] ^= 0x80  # the first float32's sign bit: RAM's bytes are the hot block's
     assert float(first[0, 0, 0, 0].item()) == -before

@@ -1,0 +1,155 @@
+"""A block holds every layer's keys and values in one tensor, so a restore joins n blocks with
+n copies instead of 2 x layers x n (the copies' launches were most of a hot hit's first
+chunk on an H200); blocks in the per-layer format (an older version's SSD files, models
+whose layers differ in shape) still restore, alone or in one chain with stacked ones.
+
+Real tiers and KV caches; every restore is compared value for value with what was stored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import omlx.cache.prefix_cache as prefix_cache
+from omlx.cache.block_hash import block_keys
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache
+from omlx.cache.ssd_tier import SSDTier
+
+B = 16
+FP = "b" * 64
+LAYERS = 3
+
+
+def kv(tokens: int, heads: list[int] | None = None) -> list[KVCache]:
+    """Random keys and values per layer, with spare capacity past `tokens` as a live cache has."""
+    caches = []
+    for layer, h in enumerate(heads or [2] * LAYERS):
+        c = KVCache()
+        k = mx.random.normal((1, h, tokens + 7, 8), key=mx.random.key(layer))
+        v = mx.random.normal((1, h, tokens + 7, 8), key=mx.random.key(100 + layer))
+        c.state = (k, v, tokens)
+        caches.append(c)
+    return caches
+
+
+def hot_cache(layers: int = LAYERS) -> PrefixCache:
+    return PrefixCache(CacheStore(HotTier(1 << 30), None, B), FP, layers, "m")
+
+
+def ssd_cache(root: Path) -> PrefixCache:
+    ssd = SSDTier(root, 1 << 30)
+    assert ssd.wait_ready(10)
+    return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
+
+
+def assert_restores(restored: list[KVCache], original: list[KVCache], n: int) -> None:
+    assert len(restored) == len(original)
+    for got, want in zip(restored, original, strict=True):
+        assert got.offset == n and got.keys.shape[2] == n
+        assert mx.array_equal(got.keys, want.keys[:, :, :n, :]).item()
+        assert mx.array_equal(got.values, want.values[:, :, :n, :]).item()
+
+
+def counted_joins(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of inputs of each `mx.concatenate` call from here on."""
+    calls: list[int] = []
+    real = mx.concatenate
+
+    def counting(arrays: list[mx.array], *args: Any, **kwargs: Any) -> mx.array:
+        calls.append(len(arrays))
+        return real(arrays, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "concatenate", counting)
+    return calls
+
+
+def test_a_block_holds_every_layer_in_one_tensor_and_restores_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, tokens = hot_cache(), list(range(1, 4 * B + 1))
+    original = kv(len(tokens))
+    cache.store(tokens, original, final=True)
+    block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    assert list(block.tensors) == [KV_STACK]
+    assert block.tensors[KV_STACK].shape == (2 * LAYERS, 2, B, 8)
+    joins = counted_joins(monkeypatch)
+    restored, n = cache.lookup(tokens + [999])
+    assert n == 4 * B
+    assert joins == [4]  # one join of the four blocks, not one per layer and kind
+    assert_restores(restored, original, n)
+    # a restored layer is a view: writing past it (the next chunk) must not reach the block
+    before = mx.array(block.tensors[KV_STACK])
+    restored[0].update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
+    mx.eval(restored[0].keys)
+    assert mx.array_equal(block.tensors[KV_STACK], before).item()
+
+
+def test_a_prefix_ending_inside_a_block_restores_its_first_tokens() -> None:
+    cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
+    original = kv(len(tokens))
+    cache.store(tokens, original, final=True)
+    caches, n = cache.lookup(tokens[: 2 * B + 5] + [999])  # a prompt that parts from it 5 tokens in
+    assert n == 2 * B + 5
+    assert_restores(caches, original, n)
+    parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)[:2]]
+    parts[-1] = (parts[-1][0], 5)
+    assert_restores(cache._to_cache(parts), original, B + 5)
+
+
+def test_blocks_in_the_per_layer_format_still_restore_alone_and_mixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = list(range(1, 4 * B + 1))
+    original = kv(len(tokens))
+    older = ssd_cache(tmp_path)
+    with monkeypatch.context() as m:  # as an older version wrote them
+        m.setattr(prefix_cache, "stackable", lambda cache: False)
+        older.store(tokens[: 2 * B], original, final=True)
+    first = older.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    assert KV_STACK not in first.tensors and first.tensors["0.keys"].shape == (1, 2, B, 8)
+    older.store(tokens, original, final=True)  # the next turn: two more blocks, stacked
+    assert list(older.tiers.hot.peek(block_keys(FP, tokens, B)[3]).tensors) == [KV_STACK]
+    while older.write_back(idle=True):
+        pass
+    older.tiers.ssd.close()
+
+    again = ssd_cache(tmp_path)  # a restart: both formats come back from the SSD
+    again.prefill.observe(4 * B, 0, 100.0)  # recomputing is slow: restore
+    caches, n = again.lookup(tokens + [999])
+    assert n == 4 * B
+    assert_restores(caches, original, n)
+    again.tiers.ssd.close()
+
+
+def test_layers_of_different_shapes_keep_a_tensor_each() -> None:
+    cache, tokens = hot_cache(layers=2), list(range(1, 2 * B + 1))
+    original = kv(len(tokens), heads=[2, 4])
+    cache.store(tokens, original, final=True)
+    block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    assert sorted(block.tensors) == ["0.keys", "0.values", "1.keys", "1.values"]
+    caches, n = cache.lookup(tokens + [999])
+    assert n == 2 * B
+    assert_restores(caches, original, n)
+
+
+def test_a_store_stacks_runs_of_adjacent_blocks_once_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = list(range(1, 4 * B + 1))
+    original = kv(len(tokens))
+    joins = counted_joins(monkeypatch)
+    cache = hot_cache()
+    cache.store(tokens, original, final=True)
+    assert joins == [2 * LAYERS]  # one stack for the four blocks, each cut from it
+    block_bytes = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0]).nbytes
+    monkeypatch.setattr(prefix_cache, "STACK_GROUP_BYTES", 2 * block_bytes)
+    joins.clear()
+    bounded = hot_cache()
+    bounded.store(tokens, original, final=True)
+    assert joins == [2 * LAYERS, 2 * LAYERS]  # two blocks' bytes at a time
+    for c in (cache, bounded):
+        caches, n = c.lookup(tokens + [999])
+        assert n == 4 * B
+        assert_restores(caches, original, n)
