@@ -724,9 +724,12 @@ def device_bandwidths(tmp: Path) -> dict[str, float]:
 
 def tier_bandwidths(cache_dir: Path, max_blocks: int, drop: bool) -> dict[str, float]:
     """Read stored block files with oMLX's SSD tier (cold disk, then page cache) and move
-    them onto the GPU the way a restore does (concatenate per layer)."""
+    them onto the GPU the way a restore does (`prefix_cache.join_blocks`)."""
+    from dataclasses import replace
+
     import mlx.core as mx
 
+    from omlx.cache.prefix_cache import KV_STACK, join_blocks
     from omlx.cache.ssd_tier import SSDTier, read_header
 
     files = sorted(cache_dir.rglob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
@@ -746,27 +749,20 @@ def tier_bandwidths(cache_dir: Path, max_blocks: int, drop: bool) -> dict[str, f
         blocks = tier.get_many(keys, fp)
         t_read = PERF() - tic
         blocks = [b for b in blocks if b is not None]
+        first = blocks[0].tensors
+        layers = first[KV_STACK].shape[0] // 2 if KV_STACK in first else len(first) // 2
         tic = PERF()
-        layers = sorted({k.split(".")[0] for k in blocks[0].tensors}, key=int)
-        cat = [
-            mx.concatenate([b.tensors[f"{layer}.{kv}"] for b in blocks], axis=2)
-            for layer in layers
-            for kv in ("keys", "values")
-        ]
+        cat = [c.state[:2] for c in join_blocks([(b, b.token_count) for b in blocks], layers)]
         mx.eval(cat)
         t_dev = PERF() - tic
         out[f"ssd_read_{label}_GBps"] = nbytes / t_read / 1e9
         out[f"to_device_{label}_GBps"] = nbytes / t_dev / 1e9
         out[f"restore_{label}_GBps"] = nbytes / (t_read + t_dev) / 1e9
-        # the hot tier's restore: the same concatenation from blocks already on the device
-        dev = [{k: v + 0 for k, v in b.tensors.items()} for b in blocks]
-        mx.eval([t for d in dev for t in d.values()])
+        # the hot tier's restore: the same join from blocks already on the device
+        dev = [replace(b, tensors={k: v + 0 for k, v in b.tensors.items()}) for b in blocks]
+        mx.eval([t for d in dev for t in d.tensors.values()])
         tic = PERF()
-        cat = [
-            mx.concatenate([d[f"{layer}.{kv}"] for d in dev], axis=2)
-            for layer in layers
-            for kv in ("keys", "values")
-        ]
+        cat = [c.state[:2] for c in join_blocks([(d, d.token_count) for d in dev], layers)]
         mx.eval(cat)
         out["hot_restore_GBps"] = nbytes / (PERF() - tic) / 1e9
         tier.close()

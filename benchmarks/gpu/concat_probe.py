@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """What joining a restored prefix's blocks into one KV cache costs on the device.
 
-A restore (`PrefixCache._to_cache`) concatenates, per layer, the keys and the values of
+A restore (`prefix_cache.join_blocks`) concatenated, before blocks stacked their layers, per layer, the keys and the values of
 every block: 2 x layers concatenations of n blocks, which MLX runs as one copy per input.
 On the H200 the first chunk after a hot-tier hit at 1B took 17-19 ms for 256 tokens at depth
 7,936 and 38-47 ms at depth 32,000, as much as a 2,048-token chunk at those depths. Timed
 here with random bf16 blocks of a Llama shape's size, no model:
 
-  per-layer   what `_to_cache` does: 2 x layers concatenations of n (1, heads, B, dim) blocks
+  per-layer   what a restore did: 2 x layers concatenations of n (1, heads, B, dim) blocks
   one-copy    the same bytes as one array copied once (the floor)
   stacked     blocks held as one (layers, 2, heads, B, dim) array each: one concatenation of
               n inputs, then a contiguous copy of each layer's keys and values

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 import omlx.cache.prefix_cache as prefix_cache
 from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache
+from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache, join_blocks
 from omlx.cache.ssd_tier import SSDTier
 
 B = 16
@@ -97,7 +97,7 @@ def test_a_prefix_ending_inside_a_block_restores_its_first_tokens() -> None:
     assert_restores(caches, original, n)
     parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)[:2]]
     parts[-1] = (parts[-1][0], 5)
-    assert_restores(cache._to_cache(parts), original, B + 5)
+    assert_restores(join_blocks(parts, LAYERS), original, B + 5)
 
 
 def test_blocks_in_the_per_layer_format_still_restore_alone_and_mixed(
