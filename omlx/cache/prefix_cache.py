@@ -370,8 +370,15 @@ class Throughput:
 # keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
 # keep a tensor per layer and kind ("0.keys", "0.values" ...), as blocks written before did.
 KV_STACK = "kv"
-# A store stacks at most this many bytes of adjacent blocks at once (transient device memory)
+# On a GPU a store stacks at most this many bytes of adjacent blocks at once (transient memory)
 STACK_GROUP_BYTES = 256 << 20
+
+
+def stack_group_bytes() -> int:
+    """How many bytes of adjacent blocks a store stacks at once: on a GPU, where every copy is
+    a kernel launch, `STACK_GROUP_BYTES`; on a CPU none (each block is stacked on its own,
+    one copy of its bytes, where cutting it from a shared stack would copy them twice)."""
+    return STACK_GROUP_BYTES if mx.default_device().type == mx.gpu else 0
 
 
 def stackable(cache: list[Any]) -> bool:
@@ -976,25 +983,26 @@ class PrefixCache(PrefixCacheHooks):
                 tier.touch_many(order)
 
     def _make_blocks(self, cache: list[Any], specs: list[tuple[str, str | None, int, int]]) -> list[CacheBlock]:
-        """Blocks of `cache` for `(key, parent, start, end)` token ranges. Stacked blocks
-        (`KV_STACK`) are cut from one stack of each run of adjacent ranges, up to
+        """Blocks of `cache` for `(key, parent, start, end)` token ranges. On a GPU stacked
+        blocks (`KV_STACK`) are cut from one stack of each run of adjacent ranges, up to
         `STACK_GROUP_BYTES` at a time: 2 x layers + n copies for n blocks, not 2 x layers x n
         (4,000 launches for 32,000 tokens of a 1B Llama, every one a wait for the streams
-        the engine decodes meanwhile)."""
+        the engine decodes meanwhile), at the price of copying the bytes twice."""
         if not specs:
             return []
         if not stackable(cache):
             return [self._block(key, parent, b - a, _layer_tensors(cache, a, b)) for key, parent, a, b in specs]
         per_token = 2 * len(cache) * cache[0].keys.shape[1] * cache[0].keys.shape[3] * cache[0].keys.itemsize
-        most = max(1, STACK_GROUP_BYTES // max(1, per_token * self.B))
+        most = max(1, stack_group_bytes() // max(1, per_token * self.B))
         blocks: list[CacheBlock] = []
         group: list[tuple[str, str | None, int, int]] = []
         for spec in [*specs, None]:
             if group and (spec is None or spec[2] != group[-1][3] or len(group) == most):
                 lo, hi = group[0][2], group[-1][3]
                 stack = mx.concatenate([t[:, :, lo:hi, :] for c in cache for t in (c.keys, c.values)])
+                cut = len(group) > 1  # else the stack is the block
                 blocks += [
-                    self._block(key, parent, b - a, {KV_STACK: mx.contiguous(stack[:, :, a - lo : b - lo, :])})
+                    self._block(key, parent, b - a, {KV_STACK: mx.contiguous(stack[:, :, a - lo : b - lo, :]) if cut else stack})
                     for key, parent, a, b in group
                 ]  # fmt: skip
                 group = []

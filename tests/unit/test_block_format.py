@@ -137,19 +137,39 @@ def test_layers_of_different_shapes_keep_a_tensor_each() -> None:
 
 
 def test_a_store_stacks_runs_of_adjacent_blocks_once_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as on a GPU: one stack per run of adjacent blocks (2 x layers copies), each block cut from it
     tokens = list(range(1, 4 * B + 1))
     original = kv(len(tokens))
+    block_bytes = 2 * LAYERS * 2 * B * 8 * 4  # float32
+    monkeypatch.setattr(prefix_cache, "stack_group_bytes", lambda: 1 << 30)
     joins = counted_joins(monkeypatch)
     cache = hot_cache()
     cache.store(tokens, original, final=True)
-    assert joins == [2 * LAYERS]  # one stack for the four blocks, each cut from it
-    block_bytes = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0]).nbytes
-    monkeypatch.setattr(prefix_cache, "STACK_GROUP_BYTES", 2 * block_bytes)
+    assert joins == [2 * LAYERS]  # one stack for the four blocks
+    assert cache.tiers.hot.peek(block_keys(FP, tokens, B)[0]).nbytes == block_bytes
+    monkeypatch.setattr(prefix_cache, "stack_group_bytes", lambda: 2 * block_bytes)
     joins.clear()
     bounded = hot_cache()
     bounded.store(tokens, original, final=True)
     assert joins == [2 * LAYERS, 2 * LAYERS]  # two blocks' bytes at a time
-    for c in (cache, bounded):
+    monkeypatch.setattr(prefix_cache, "stack_group_bytes", lambda: 0)
+    joins.clear()
+    alone = hot_cache()  # as on a CPU: each block stacked on its own, its bytes copied once
+    alone.store(tokens, original, final=True)
+    assert joins == [2 * LAYERS] * 4
+    for c in (cache, bounded, alone):
         caches, n = c.lookup(tokens + [999])
         assert n == 4 * B
         assert_restores(caches, original, n)
+
+
+def test_a_cpu_store_makes_each_block_with_one_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cutting blocks from a shared stack copies their bytes a second time: not where copies
+    # cost bandwidth rather than launches
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert prefix_cache.stack_group_bytes() == 0
+    cuts: list[int] = []
+    real = mx.contiguous
+    monkeypatch.setattr(mx, "contiguous", lambda a, *args, **kw: cuts.append(1) or real(a, *args, **kw))
+    hot_cache().store(list(range(1, 4 * B + 1)), kv(4 * B), final=True)
+    assert cuts == []
