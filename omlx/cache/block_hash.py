@@ -157,6 +157,20 @@ def block_keys(
     return keys
 
 
+def tail_keys(fingerprint: str, parent: str | None, token_ids: Sequence[int] | np.ndarray) -> list[str]:
+    """`chain_key(fingerprint, parent, token_ids[:n])` for every n from 1 to len(token_ids),
+    in that order, hashed incrementally: the key's message is a prefix of the next one's, so
+    one pass over the tokens gives them all (a tail search asks for up to 255 of them)."""
+    packed = memoryview(_pack_tokens(token_ids))
+    h = hashlib.sha256(fingerprint.encode("ascii"))
+    h.update(parent.encode("ascii") if parent else _ROOT)
+    keys = []
+    for i in range(0, len(packed), 4):
+        h.update(packed[i : i + 4])
+        keys.append(h.copy().hexdigest())
+    return keys
+
+
 def chain_key(
     fingerprint: str,
     parent: str | None,

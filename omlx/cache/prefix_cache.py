@@ -36,7 +36,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.cache.block import CacheBlock, HostBlock
-from omlx.cache.block_hash import block_keys, chain_key, model_fingerprint, weights_digest
+from omlx.cache.block_hash import (
+    block_keys,
+    chain_key,
+    model_fingerprint,
+    tail_keys,
+    weights_digest,
+)
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.prefill_cost import PrefillCost, attention_ratio
 from omlx.cache.ssd_tier import SSDTier
@@ -849,8 +855,9 @@ class PrefixCache(PrefixCacheHooks):
         reuses everything up to the first differing token. Returns (block, usable tokens).
         """
         best: tuple[CacheBlock | None, int] = (None, 0)
-        for length in range(min(self.B - 1, len(rest)), 0, -1):
-            block = self._get(chain_key(self.fp, parent, rest[:length]), hot_only)
+        keys = tail_keys(self.fp, parent, rest[: self.B - 1])
+        for length in range(len(keys), 0, -1):
+            block = self._get(keys[length - 1], hot_only)
             if block is not None:
                 best = (block, length)
                 break

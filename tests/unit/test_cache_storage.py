@@ -19,10 +19,16 @@ import numpy as np
 import pytest
 
 from omlx.cache.block import CacheBlock, HostBlock, checksum
-from omlx.cache.block_hash import block_keys, model_fingerprint, weights_digest
+from omlx.cache.block_hash import (
+    block_keys,
+    chain_key,
+    model_fingerprint,
+    tail_keys,
+    weights_digest,
+)
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.sizes import parse_size
-from omlx.cache.ssd_tier import SSDTier, read_header
+from omlx.cache.ssd_tier import SSDTier, _is_key, read_header
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -135,6 +141,26 @@ def test_block_keys_rejects_bad_tokens() -> None:
         block_keys(FP, [1.5, 2.0], 2)
     with pytest.raises(ValueError):
         block_keys(FP, [1, 2], 0)
+
+
+def test_tail_keys_are_the_chain_keys_of_every_prefix() -> None:
+    # hashed incrementally, they must still be exactly what a store keys a partial block by
+    tokens = list(range(7, 7 + 300))
+    for parent in (None, block_keys(FP, tokens, 16)[0]):
+        keys = tail_keys(FP, parent, tokens)
+        assert keys == [chain_key(FP, parent, tokens[:n]) for n in range(1, len(tokens) + 1)]
+        assert tail_keys(FP, parent, np.array(tokens[:20])) == keys[:20]
+    assert tail_keys(FP, None, tokens)[15] == block_keys(FP, tokens, 16)[0]  # a whole block's key too
+    assert tail_keys(FP, None, []) == []
+    with pytest.raises(ValueError):
+        tail_keys(FP, None, [1, -1])
+
+
+def test_only_64_lowercase_hex_digits_are_a_block_key() -> None:
+    key = block_keys(FP, list(range(16)), 16)[0]
+    assert _is_key(key)
+    for bad in (key.upper(), key[:-1], key + "0", key[:-1] + "g", key + "\n", "../" + key[3:], ""):
+        assert not _is_key(bad), bad
 
 
 def test_block_keys_fast_for_32k_tokens() -> None:
