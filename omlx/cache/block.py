@@ -50,8 +50,8 @@ class CacheBlock:
     @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of tensor data (what the byte budgets of the tiers count); a block's tensors
-        never change, and a lookup asks for a whole run's sizes (125 blocks of 32 or 64
-        tensors for 32,000 tokens)."""
+        never change, and a lookup asks for a whole run's sizes (125 blocks for 32,000 tokens,
+        each of one stacked tensor or of 32 or 64)."""
         return sum(int(t.nbytes) for t in self.tensors.values())
 
 
@@ -169,7 +169,8 @@ def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
     buffer would become managed memory and the host's reads would pull its pages over; the
     next device op on it faulted them back at ~7 GB/s (H200: a 32,000-token prompt of an 8B
     model took 0.8 s to restore from the hot tier once the SSD had written it, 0.13 s before).
-    The copy goes instead, and one buffer reads faster than 64 (`staged_on_host`)."""
+    The copy goes instead, and one buffer reads faster than 64 (`staged_on_host`); a block
+    of one tensor (all layers stacked) is copied too."""
     whole, layout = _packed(tensors)
     if whole is None:
         return {}
@@ -178,7 +179,7 @@ def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
 
 
 def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
-    """`tensors` packed on the device (one concatenation), then copied out in one piece into a
+    """`tensors` packed on the device (one concatenation, or a copy of a lone tensor), then copied out in one piece into a
     new MLX array whose pages the host writes, so they lie in host memory (the device's are
     freed with the tensors); with views of it as host bytes. The array is what a restore hands
     the device. On CUDA MLX's buffers are managed memory, which the host reads page by page
@@ -211,7 +212,10 @@ def _packed(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, list[tupl
         at += int(t.nbytes)
     if not parts:
         return None, layout
-    whole = parts[0] if len(parts) == 1 else mx.concatenate(parts)
+    # always a new buffer (the callers' point): one tensor (a stacked block) would otherwise be
+    # returned as a view of the block's own, which `mx.contiguous` and a one-input
+    # concatenation also return
+    whole = parts[0] + 0 if len(parts) == 1 else mx.concatenate(parts)
     mx.eval(whole)
     return whole, layout
 

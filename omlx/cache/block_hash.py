@@ -20,8 +20,11 @@ import numpy as np
 
 __all__ = ["model_fingerprint", "weights_digest", "block_keys", "FINGERPRINT_VERSION"]
 
-# Bump when the meaning of a block payload changes (layout of tensors, slicing rules...):
-# every fingerprint, hence every key, changes and old blocks can never be served.
+# Bump when the meaning of a block payload changes (slicing rules, what a tensor name
+# means...): every fingerprint, hence every key, changes and old blocks can never be served.
+# A new layout that readers tell apart by its tensors' names needs no bump (the stacked
+# `kv` tensor, 2026-12: older files still load); the SSD tier's FORMAT_VERSION keeps older
+# builds from reading it.
 FINGERPRINT_VERSION = "omlx-block-v1"
 
 _EDGE_BYTES = 1 << 20  # how much of each end of a weight file is hashed

@@ -8,14 +8,17 @@ Real tiers and KV caches; every restore is compared value for value with what wa
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
 import omlx.cache.prefix_cache as prefix_cache
+from omlx.cache.block import packed_on_host, staged_on_host
 from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache, join_blocks
@@ -81,11 +84,58 @@ def test_a_block_holds_every_layer_in_one_tensor_and_restores_exactly(monkeypatc
     assert n == 4 * B
     assert joins == [4]  # one join of the four blocks, not one per layer and kind
     assert_restores(restored, original, n)
-    # a restored layer is a view: writing past it (the next chunk) must not reach the block
-    before = mx.array(block.tensors[KV_STACK])
-    restored[0].update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
-    mx.eval(restored[0].keys)
-    assert mx.array_equal(block.tensors[KV_STACK], before).item()
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_writes_into_a_restored_cache_never_reach_the_stored_blocks(
+    stacked: bool, blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a cache trimmed, then written in place (a padded chunk's trim, the next tokens): the
+    # restored arrays may share the stored ones' memory, never their objects
+    if not stacked:
+        monkeypatch.setattr(prefix_cache, "stackable", lambda cache: False)
+    cache, tokens = hot_cache(), list(range(1, blocks * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    stored = [cache.tiers.hot.peek(k) for k in block_keys(FP, tokens, B)]
+    before = [{name: mx.array(t) for name, t in b.tensors.items()} for b in stored]
+    restored = join_blocks([(b, B) for b in stored], LAYERS)
+    for c in restored:
+        c.trim(3)
+        c.update_and_fetch(mx.ones((1, 2, 3, 8)), mx.ones((1, 2, 3, 8)))
+        c.update_and_fetch(mx.ones((1, 2, 5, 8)), mx.ones((1, 2, 5, 8)))  # and past the end
+    mx.eval([c.state[:2] for c in restored])
+    assert all(mx.array_equal(c.keys[:, :, c.offset - 1, :], mx.ones((1, 2, 8))).item() for c in restored)
+    for b, was in zip(stored, before, strict=True):
+        assert all(mx.array_equal(b.tensors[name], t).item() for name, t in was.items())
+
+
+def test_keys_and_values_of_different_widths_keep_a_tensor_each() -> None:
+    # (a model whose keys are wider than its values, as in multi-head latent attention)
+    cache, tokens = hot_cache(layers=2), list(range(1, 2 * B + 1))
+    original = kv(len(tokens))[:2]
+    for c in original:
+        c.values = c.values[..., :4]
+    cache.store(tokens, original, final=True)
+    block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    assert sorted(block.tensors) == ["0.keys", "0.values", "1.keys", "1.values"]
+    caches, n = cache.lookup(tokens + [999])
+    assert n == 2 * B
+    assert_restores(caches, original, n)
+
+
+def test_a_lone_stacked_tensor_is_copied_before_the_host_reads_it() -> None:
+    # the SSD writer's and the RAM tier's host reads must not touch a kept block's own buffer
+    # (on CUDA that buffer would turn into managed memory for good)
+    t = mx.random.normal((2 * LAYERS, 2, B, 8))
+    mx.eval(t)
+    own = np.asarray(t).__array_interface__["data"][0]
+    (_, _, host), = packed_on_host({KV_STACK: t}).values()
+    staged, staged_host = staged_on_host({KV_STACK: t})
+    for view in (host, staged_host[KV_STACK][2]):
+        assert view.__array_interface__["data"][0] != own
+    assert staged is not None
+    assert np.array_equal(host.view(np.float32).reshape(t.shape), np.asarray(t))
 
 
 def test_a_prefix_ending_inside_a_block_restores_its_first_tokens() -> None:
@@ -123,6 +173,39 @@ def test_blocks_in_the_per_layer_format_still_restore_alone_and_mixed(
     assert n == 4 * B
     assert_restores(caches, original, n)
     again.tiers.ssd.close()
+
+
+def test_a_chain_of_both_formats_is_probed_and_restored_from_the_ssd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the SSD's first restore times a few blocks, read and used on the device together: with
+    # the older blocks first in the chain that group holds both formats
+    tokens = list(range(1, 32 * B + 1))
+    original = kv(len(tokens))
+    older = ssd_cache(tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(prefix_cache, "stackable", lambda cache: False)
+        older.store(tokens[: 2 * B], original, final=True)
+    older.store(tokens, original, final=True)
+    while older.write_back(idle=True):
+        pass
+    older.tiers.ssd.close()
+
+    again = ssd_cache(tmp_path)
+    assert again.ssd_rate.value is None  # never measured: the lookup times a part first
+    again.prefill.observe(32 * B, 0, 100.0)
+    caches, n = again.lookup(tokens + [999])
+    assert n == 32 * B and again.ssd_rate.value is not None
+    assert_restores(caches, original, n)
+    again.tiers.ssd.close()
+
+    idle = ssd_cache(tmp_path)  # the idle engine's timing reads the same blocks
+    deadline = time.monotonic() + 10
+    while idle.ssd_rate.value is None and time.monotonic() < deadline:
+        idle.probe_idle()
+        time.sleep(0.01)
+    assert idle.ssd_rate.value is not None
+    idle.tiers.ssd.close()
 
 
 def test_layers_of_different_shapes_keep_a_tensor_each() -> None:

@@ -473,7 +473,7 @@ def test_ssd_round_trip_bf16_float32(tmp_path: Path) -> None:
         path = tier.path_for(b16.key)
         assert path == tmp_path / b16.key[:2] / f"{b16.key}.safetensors"
         meta = read_header(path)
-        assert meta["format_version"] == "1"
+        assert meta["format_version"] == "2"
         assert meta["key"] == b16.key and meta["fingerprint"] == FP
         assert meta["parent"] == "p" * 64 and meta["token_count"] == "16"
         assert json.loads(meta["layer_types"]) == ["kv", "kv"]
