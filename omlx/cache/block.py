@@ -179,9 +179,9 @@ def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
 
 
 def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
-    """`tensors` packed on the device (one concatenation, or a copy of a lone tensor), then copied out in one piece into a
-    new MLX array whose pages the host writes, so they lie in host memory (the device's are
-    freed with the tensors); with views of it as host bytes. The array is what a restore hands
+    """`tensors` packed on the device (one concatenation, or a copy of a lone tensor), then
+    copied out in one piece into a new MLX array whose pages the host writes, so they lie in
+    host memory (the device's are freed with the tensors); with views of it as host bytes. The array is what a restore hands
     the device. On CUDA MLX's buffers are managed memory, which the host reads page by page
     where the device holds it: a block as 64 arrays of 256 KB came out at 0.74 GB/s on an H200,
     packed first 1.8 GB/s (`host_block_probe.py`)."""

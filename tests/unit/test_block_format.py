@@ -51,6 +51,25 @@ def ssd_cache(root: Path) -> PrefixCache:
     return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
 
 
+def stored_in_both_formats(
+    cache: PrefixCache, tokens: list[int], original: list[KVCache], monkeypatch: pytest.MonkeyPatch
+) -> PrefixCache:
+    """`tokens` stored as a conversation's two turns: the first two blocks as an older version
+    wrote them (a tensor per layer), the rest stacked."""
+    with monkeypatch.context() as m:
+        m.setattr(prefix_cache, "stackable", lambda cache: False)
+        cache.store(tokens[: 2 * B], original, final=True)
+    cache.store(tokens, original, final=True)
+    return cache
+
+
+def written_and_closed(cache: PrefixCache) -> None:
+    """Everything `cache` stored written to its SSD (as an idle engine does), then closed."""
+    while cache.write_back(idle=True):
+        pass
+    cache.tiers.ssd.close()
+
+
 def assert_restores(restored: list[KVCache], original: list[KVCache], n: int) -> None:
     assert len(restored) == len(original)
     for got, want in zip(restored, original, strict=True):
@@ -110,20 +129,6 @@ def test_writes_into_a_restored_cache_never_reach_the_stored_blocks(
         assert all(mx.array_equal(b.tensors[name], t).item() for name, t in was.items())
 
 
-def test_keys_and_values_of_different_widths_keep_a_tensor_each() -> None:
-    # (a model whose keys are wider than its values, as in multi-head latent attention)
-    cache, tokens = hot_cache(layers=2), list(range(1, 2 * B + 1))
-    original = kv(len(tokens))[:2]
-    for c in original:
-        c.values = c.values[..., :4]
-    cache.store(tokens, original, final=True)
-    block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
-    assert sorted(block.tensors) == ["0.keys", "0.values", "1.keys", "1.values"]
-    caches, n = cache.lookup(tokens + [999])
-    assert n == 2 * B
-    assert_restores(caches, original, n)
-
-
 def test_a_lone_stacked_tensor_is_copied_before_the_host_reads_it() -> None:
     # the SSD writer's and the RAM tier's host reads must not touch a kept block's own buffer
     # (on CUDA that buffer would turn into managed memory for good)
@@ -155,17 +160,11 @@ def test_blocks_in_the_per_layer_format_still_restore_alone_and_mixed(
 ) -> None:
     tokens = list(range(1, 4 * B + 1))
     original = kv(len(tokens))
-    older = ssd_cache(tmp_path)
-    with monkeypatch.context() as m:  # as an older version wrote them
-        m.setattr(prefix_cache, "stackable", lambda cache: False)
-        older.store(tokens[: 2 * B], original, final=True)
+    older = stored_in_both_formats(ssd_cache(tmp_path), tokens, original, monkeypatch)
     first = older.tiers.hot.peek(block_keys(FP, tokens, B)[0])
     assert KV_STACK not in first.tensors and first.tensors["0.keys"].shape == (1, 2, B, 8)
-    older.store(tokens, original, final=True)  # the next turn: two more blocks, stacked
     assert list(older.tiers.hot.peek(block_keys(FP, tokens, B)[3]).tensors) == [KV_STACK]
-    while older.write_back(idle=True):
-        pass
-    older.tiers.ssd.close()
+    written_and_closed(older)
 
     again = ssd_cache(tmp_path)  # a restart: both formats come back from the SSD
     again.prefill.observe(4 * B, 0, 100.0)  # recomputing is slow: restore
@@ -182,14 +181,8 @@ def test_a_chain_of_both_formats_is_probed_and_restored_from_the_ssd(
     # the older blocks first in the chain that group holds both formats
     tokens = list(range(1, 32 * B + 1))
     original = kv(len(tokens))
-    older = ssd_cache(tmp_path)
-    with monkeypatch.context() as m:
-        m.setattr(prefix_cache, "stackable", lambda cache: False)
-        older.store(tokens[: 2 * B], original, final=True)
-    older.store(tokens, original, final=True)
-    while older.write_back(idle=True):
-        pass
-    older.tiers.ssd.close()
+    older = stored_in_both_formats(ssd_cache(tmp_path), tokens, original, monkeypatch)
+    written_and_closed(older)
 
     again = ssd_cache(tmp_path)
     assert again.ssd_rate.value is None  # never measured: the lookup times a part first
@@ -208,9 +201,20 @@ def test_a_chain_of_both_formats_is_probed_and_restored_from_the_ssd(
     idle.tiers.ssd.close()
 
 
-def test_layers_of_different_shapes_keep_a_tensor_each() -> None:
+def narrower_values(tokens: int) -> list[KVCache]:
+    """Keys wider than values, as in multi-head latent attention."""
+    caches = kv(tokens)[:2]
+    for c in caches:
+        c.values = c.values[..., :4]
+    return caches
+
+
+@pytest.mark.parametrize(
+    "make", [lambda n: kv(n, heads=[2, 4]), narrower_values], ids=["layers-of-different-heads", "narrower-values"]
+)
+def test_tensors_of_different_shapes_keep_a_tensor_each(make: Any) -> None:
     cache, tokens = hot_cache(layers=2), list(range(1, 2 * B + 1))
-    original = kv(len(tokens), heads=[2, 4])
+    original = make(len(tokens))
     cache.store(tokens, original, final=True)
     block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
     assert sorted(block.tensors) == ["0.keys", "0.values", "1.keys", "1.values"]
