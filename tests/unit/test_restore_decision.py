@@ -931,6 +931,34 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
     ssd.close()
 
 
+def test_an_admission_hashes_its_prompt_once_and_no_other_prompt_gets_its_keys(tmp_path: Path, monkeypatch) -> None:
+    # a request's read-ahead and lookup share its block keys; the next prompt, even one of the
+    # same length, is hashed anew
+    from omlx.cache import prefix_cache
+
+    tokens = list(range(10, 10 + 4 * B + 1))
+    stored(tmp_path, tokens)
+    cache = open_cache(tmp_path)
+    cache.bytes_per_token = 2 * LAYERS * 2 * 8 * 4  # measured: the read-ahead looks at the tiers
+    hashed: list[list[int]] = []
+    real = prefix_cache.block_keys
+    monkeypatch.setattr(prefix_cache, "block_keys", lambda fp, ids, b: hashed.append(ids) or real(fp, ids, b))
+    other = list(range(500, 500 + 4 * B + 1))
+    cache.prefetch(tokens, lambda: None)
+    assert cache.lookup(other) == (None, 0)  # another prompt's lookup: its own keys
+    assert [h is other for h in hashed] == [False, True]
+    hashed.clear()
+    cache.prefetch(tokens, lambda: None)
+    _, n = cache.lookup(tokens)
+    assert n == 4 * B and hashed == [tokens]  # once for both
+    hashed.clear()
+    cache.tiers.hot.clear()
+    cache.prefetch(tokens, lambda: None)
+    _, n = cache.lookup(list(tokens))  # equal, but another list: hashed again, still found
+    assert n == 4 * B and len(hashed) == 2
+    cache.tiers.ssd.close()
+
+
 def test_reads_ahead_do_not_hold_up_reads_in_line(tmp_path: Path, monkeypatch) -> None:
     slow = list(range(10, 10 + 8 * B))
     quick = list(range(300, 300 + 2 * B))
