@@ -101,11 +101,14 @@ def make_engines(names: list[str], loaded: Any, hot_bytes: int, ssd_dir: Path) -
 async def one(engine: Any, prompt: list[int], rid: str) -> float:
     from omlx.engine.request import GenerationRequest, SamplingParams
 
-    start = PERF()
-    async for ev in engine.generate(GenerationRequest(rid, prompt, 2, SamplingParams(temperature=0.0))):
+    # random weights: keep end-of-sequence from ending a request before its first token
+    sampling = SamplingParams(temperature=0.0, logit_bias={e: -100.0 for e in engine.eos_ids})
+    start, last = PERF(), None
+    async for ev in engine.generate(GenerationRequest(rid, prompt, 2, sampling)):
         if ev.token_ids:
             return PERF() - start
-    raise RuntimeError(f"{rid}: no token")
+        last = ev
+    raise RuntimeError(f"{rid}: no token ({last})")
 
 
 async def run(args: argparse.Namespace, engines: dict[str, Any], times: PrefillTimes) -> dict[str, Any]:
