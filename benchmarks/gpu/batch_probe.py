@@ -170,10 +170,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import mlx.core as mx
-    from mlx_lm import load
+    from bench_gpu import load_for_threads
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, tokenizer = load(str(args.model))
+    model, tokenizer = load_for_threads(args.model)  # engines and workers run on their own threads
     eos = sorted(set(tokenizer.eos_token_ids or [])) or [2]
     procs = make_logits_processors(logit_bias={e: -100.0 for e in eos})
     # distinct prompts; of one length as in bench_gpu.py's part (b), or of four

@@ -140,10 +140,10 @@ def main() -> None:
     args = ap.parse_args()
 
     import mlx.core as mx
-    from mlx_lm import load
+    from bench_gpu import load_for_threads
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, tokenizer = load(str(args.model))
+    model, tokenizer = load_for_threads(args.model)  # engines and workers run on their own threads
     eos = sorted(set(tokenizer.eos_token_ids or [])) or [2]
     procs = make_logits_processors(logit_bias={e: -100.0 for e in eos})
     prompt = [3 + (i * 7919) % 500 for i in range(args.prompt_tokens)]

@@ -147,18 +147,10 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/omlx-bench-gpu"))
     args = ap.parse_args()
 
-    import mlx.core as mx
-    from mlx_lm import load
+    import bench_gpu as bg
 
-    path = args.model
-    if path is None:
-        import bench_gpu as bg
-
-        path = bg.build_model(args.work_dir / "models", args.shape)
-    model, tokenizer = load(str(path))
-    # one forward here evaluates what the model keeps lazily (RoPE's frequencies): left to the
-    # engines' threads, it names this thread's stream, which theirs lack ("no Stream(gpu, 0)")
-    mx.eval(model(mx.array([[3, 4, 5]])))
+    path = args.model or bg.build_model(args.work_dir / "models", args.shape)
+    model, tokenizer = bg.load_for_threads(path)
     loaded = SimpleNamespace(model=model, tokenizer=tokenizer, context_length=1 << 20)
     times = PrefillTimes()
     logging.getLogger("omlx.engine").addHandler(times)
