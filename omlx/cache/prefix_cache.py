@@ -123,6 +123,16 @@ def _use_on_device(blocks: list[CacheBlock]) -> None:
     ])  # fmt: skip
 
 
+def _log_judgement(why: tuple[Any, ...] | None) -> None:
+    """The debug line of a restore-or-recompute decision (`PrefixCache._judge`)."""
+    if why is not None:
+        log.debug(
+            "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s"
+            " (prefill fit: %.4fs + %.3gs/token + %.3gs/token/context token)",
+            *why,
+        )
+
+
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -730,14 +740,21 @@ class PrefixCache(PrefixCacheHooks):
         keys = self._prompt_keys(tokens, keep=True)
         start = len(self._run_in(keys, 0, limit, self._in_device_memory))
         ram_run = self._run_in(keys, start, limit, warm.contains) if warm is not None else []
-        if ram_run and not self._restore_pays(len(ram_run) * self.B, start * self.B, self.warm_rate):
-            return None  # `lookup` recomputes from there: no SSD block is used either
-        run = []
+        # judged quietly: `lookup` decides again and logs what it does not find done ahead,
+        # so each decision is logged once, here for the runs made ready ahead
+        ram_why: tuple[Any, ...] | None = None
+        if ram_run:
+            pays, ram_why = self._judge(len(ram_run) * self.B, start * self.B, self.warm_rate)
+            if not pays:
+                return None  # `lookup` recomputes from there: no SSD block is used either
+        run, ssd_why = [], None
         if ssd is not None and self.ssd_rate.value is not None:
             run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
-        if len(run) * self.B * self.bytes_per_token < PREFETCH_MIN_BYTES or not self._restore_pays(
-            len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate
-        ):
+        if len(run) * self.B * self.bytes_per_token >= PREFETCH_MIN_BYTES:
+            pays, ssd_why = self._judge(len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate)
+            if not pays:
+                run = []
+        else:
             run = []
         block_bytes = self.B * self.bytes_per_token
         if self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
@@ -756,6 +773,8 @@ class PrefixCache(PrefixCacheHooks):
                 run = []
         if not run and not ram_run:
             return None
+        _log_judgement(ram_why if ram_run else None)
+        _log_judgement(ssd_why if run else None)
         pending = Prefetch(run, futures, ram_run)
         left = [len(futures)]
         lock = threading.Lock()
@@ -853,21 +872,25 @@ class PrefixCache(PrefixCacheHooks):
         those tokens on this device (`RESTORE_MARGIN`), where they would be computed: after the
         `depth` tokens before them (a run behind 20,000 hot tokens costs more to recompute than
         the same run at the root, by the attention over those tokens)."""
+        pays, why = self._judge(n_tokens, depth, rate)
+        _log_judgement(why)
+        return pays
+
+    def _judge(self, n_tokens: int, depth: int, rate: Throughput) -> tuple[bool, tuple[Any, ...] | None]:
+        """`_restore_pays`' verdict, and its debug line's arguments (None when not logged)."""
         recompute_s = self.prefill.seconds(n_tokens, depth)
         if recompute_s is None or rate.value is None or not self.bytes_per_token:
-            return True  # no measurement yet: restoring is how we get one
+            return True, None  # no measurement yet: restoring is how we get one
         restore_s = n_tokens * self.bytes_per_token / rate.value
         pays = restore_s < RESTORE_MARGIN * recompute_s
-        if log.isEnabledFor(logging.DEBUG):
-            tier = "SSD" if rate is self.ssd_rate else "RAM moves" if rate is self.warm_rate else "RAM copies"
-            c, a, b = self.prefill.terms()
-            log.debug(
-                "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s"
-                " (prefill fit: %.4fs + %.3gs/token + %.3gs/token/context token)",
-                self.model_id, n_tokens, depth, tier, restore_s, rate.value / 1e9, recompute_s,
-                "restore" if pays else "recompute", c, a, b,
-            )  # fmt: skip
-        return pays
+        if not log.isEnabledFor(logging.DEBUG):
+            return pays, None
+        tier = "SSD" if rate is self.ssd_rate else "RAM moves" if rate is self.warm_rate else "RAM copies"
+        c, a, b = self.prefill.terms()
+        return pays, (
+            self.model_id, n_tokens, depth, tier, restore_s, rate.value / 1e9, recompute_s,
+            "restore" if pays else "recompute", c, a, b,
+        )  # fmt: skip
 
     def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
         """The stored block after `parent` sharing the longest token prefix with `rest`.

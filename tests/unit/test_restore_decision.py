@@ -1147,6 +1147,41 @@ def test_a_ram_run_moves_to_device_memory_a_chunk_per_engine_loop(monkeypatch) -
     assert cache.lookup(tokens[: 3 * B + 1])[1] == 3 * B
 
 
+@pytest.mark.parametrize("recompute_per_token", [1.0, 1e-9])
+def test_each_restore_decision_of_an_admission_is_logged_once(
+    recompute_per_token: float, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the read-ahead judges the RAM run, and `lookup` judges again what was not made ready
+    # ahead: one debug line per decision, whether the run is moved ahead (recomputing is
+    # slow) or left for recomputing (fast)
+    import logging
+
+    from omlx.cache import prefix_cache
+
+    warm = HotTier(1 << 30)
+    store = CacheStore(HotTier(1 << 30), None, B, warm=warm)
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 8 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    store.hot.set_max_bytes(0)  # everything goes to RAM...
+    store.hot.set_max_bytes(1 << 30)  # ...and device memory has room again
+    cache.prefill.observe(1000, 0, 1000 * recompute_per_token)
+    cache.warm_rate.observe(1e9, 1.0)
+    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    with caplog.at_level(logging.DEBUG, logger="omlx.cache"):
+        pending = cache.prefetch(tokens, lambda: None)
+        if pending is not None:
+            while not cache.advance(pending, move=True):
+                pass
+            cache.take(pending)
+        _, n = cache.lookup(tokens)
+    decisions = [r.getMessage() for r in caplog.records if "vs recompute" in r.getMessage()]
+    moved_ahead = recompute_per_token == 1.0
+    assert (pending is not None) == moved_ahead and n == (8 * B if moved_ahead else 0)
+    assert len(decisions) == 1, decisions
+    assert (": restore (" in decisions[0]) == moved_ahead, decisions
+
+
 def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir: Path, monkeypatch) -> None:
     import asyncio
     from types import SimpleNamespace
