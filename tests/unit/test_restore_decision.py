@@ -1105,20 +1105,25 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
     assert restoring == [1, 0] and after == expected
 
 
+def prompt_in_ram() -> tuple[CacheStore, PrefixCache, list[int]]:
+    """A stored prompt of 8 blocks (and its tail) all in RAM, device memory empty with room."""
+    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
+    cache = PrefixCache(store, FP, LAYERS, "m")
+    tokens = list(range(10, 10 + 8 * B + 1))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    store.hot.set_max_bytes(0)  # everything goes to RAM...
+    store.hot.set_max_bytes(1 << 30)  # ...and device memory has room again
+    return store, cache, tokens
+
+
 def test_a_ram_run_moves_to_device_memory_a_chunk_per_engine_loop(monkeypatch) -> None:
     """Restoring from RAM copies host -> device (~2 GB/s through MLX on CUDA): done in `lookup`
     at once, every stream waits for all of it; `advance` moves a bounded chunk per loop."""
     from omlx.cache import prefix_cache
 
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    warm = HotTier(1 << 30)
-    store = CacheStore(HotTier(1 << 30), None, B, warm=warm)
-    cache = PrefixCache(store, FP, LAYERS, "m")
-    tokens = list(range(10, 10 + 8 * B + 1))
-    cache.store(tokens, kv(len(tokens)), final=True)
-    store.hot.set_max_bytes(0)  # everything goes to RAM...
-    store.hot.set_max_bytes(1 << 30)  # ...and device memory has room again
-    assert warm.stats()["blocks"] == 9 and store.hot.stats()["blocks"] == 0
+    store, cache, tokens = prompt_in_ram()
+    assert store.warm.stats()["blocks"] == 9 and store.hot.stats()["blocks"] == 0
     cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
     cache.warm_rate.observe(1e9, 1.0)
     monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
@@ -1158,13 +1163,7 @@ def test_each_restore_decision_of_an_admission_is_logged_once(
 
     from omlx.cache import prefix_cache
 
-    warm = HotTier(1 << 30)
-    store = CacheStore(HotTier(1 << 30), None, B, warm=warm)
-    cache = PrefixCache(store, FP, LAYERS, "m")
-    tokens = list(range(10, 10 + 8 * B + 1))
-    cache.store(tokens, kv(len(tokens)), final=True)
-    store.hot.set_max_bytes(0)  # everything goes to RAM...
-    store.hot.set_max_bytes(1 << 30)  # ...and device memory has room again
+    store, cache, tokens = prompt_in_ram()
     cache.prefill.observe(1000, 0, 1000 * recompute_per_token)
     cache.warm_rate.observe(1e9, 1.0)
     monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
