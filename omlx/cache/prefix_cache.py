@@ -750,11 +750,10 @@ class PrefixCache(PrefixCacheHooks):
         run, ssd_why = [], None
         if ssd is not None and self.ssd_rate.value is not None:
             run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
-        if len(run) * self.B * self.bytes_per_token >= PREFETCH_MIN_BYTES:
+        pays = len(run) * self.B * self.bytes_per_token >= PREFETCH_MIN_BYTES
+        if pays:
             pays, ssd_why = self._judge(len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate)
-            if not pays:
-                run = []
-        else:
+        if not pays:
             run = []
         block_bytes = self.B * self.bytes_per_token
         if self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
