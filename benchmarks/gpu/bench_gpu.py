@@ -742,12 +742,12 @@ def device_bandwidths(tmp: Path) -> dict[str, float]:
 
 def tier_bandwidths(cache_dir: Path, max_blocks: int, drop: bool) -> dict[str, float]:
     """Read stored block files with oMLX's SSD tier (cold disk, then page cache) and move
-    them onto the GPU the way a restore does (`prefix_cache.join_blocks`)."""
+    them onto the GPU the way a restore does (`kv_layout.join_blocks`)."""
     from dataclasses import replace
 
     import mlx.core as mx
 
-    from omlx.cache.prefix_cache import KV_STACK, join_blocks
+    from omlx.cache.kv_layout import KV_STACK, join_blocks
     from omlx.cache.ssd_tier import SSDTier, read_header
 
     files = sorted(cache_dir.rglob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What joining a restored prefix's blocks into one KV cache costs on the device.
 
-A restore (`prefix_cache.join_blocks`) concatenated, before blocks stacked their layers, per layer, the keys and the values of
+A restore (`kv_layout.join_blocks`) concatenated, before blocks stacked their layers, per layer, the keys and the values of
 every block: 2 x layers concatenations of n blocks, which MLX runs as one copy per input.
 On the H200 the first chunk after a hot-tier hit at 1B took 17-19 ms for 256 tokens at depth
 7,936 and 38-47 ms at depth 32,000, as much as a 2,048-token chunk at those depths. Timed

@@ -60,8 +60,9 @@ class PrefillTimes(logging.Handler):
 
 def make_engines(names: list[str], loaded: Any, hot_bytes: int, ssd_dir: Path) -> dict[str, Any]:
     from omlx.cache.hot_tier import HotTier
-    from omlx.cache.prefix_cache import CacheStore, PrefixCache
+    from omlx.cache.prefix_cache import PrefixCache
     from omlx.cache.ssd_tier import SSDTier
+    from omlx.cache.store import CacheStore
     from omlx.engine.llm_engine import LLMEngine
     from omlx.settings import SETTINGS
 

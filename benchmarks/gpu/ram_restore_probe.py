@@ -40,7 +40,8 @@ def main() -> None:
 
     from omlx.cache.block_hash import block_keys
     from omlx.cache.hot_tier import HotTier
-    from omlx.cache.prefix_cache import WRITE_BACK_BOUND_GPU, CacheStore, PrefixCache
+    from omlx.cache.prefix_cache import WRITE_BACK_BOUND_GPU, PrefixCache
+    from omlx.cache.store import CacheStore
     from omlx.platform_info import discrete_gpu
 
     c = SHAPES[args.shape]

@@ -2,7 +2,7 @@
 
 A block holds, for ``token_count`` tokens at a fixed place in a prefix, every layer's
 tensors: one ``"kv"`` tensor of all layers' keys and values where the layers share a shape
-(``prefix_cache.KV_STACK``), else a tensor per layer and kind (``"0.keys"``, ``"0.values"``
+(``kv_layout.KV_STACK``), else a tensor per layer and kind (``"0.keys"``, ``"0.values"``
 ...). It is content-addressed by
 ``key`` (see ``block_hash.block_keys``), so it is never mutated once built and can be
 shared by any number of requests and tiers.

@@ -1,8 +1,9 @@
 """The prefix cache as the engine sees it: find, restore and store KV blocks of one model.
 
-Bookkeeping (keys, tiers, restore decisions) lives here; the engine thread calls
-`lookup()` before inserting a request into the batch and `store()` when a
-sequence's prompt is prefilled and when it finishes. All MLX work here runs on
+Bookkeeping (keys, restore decisions) lives here; the tiers every model shares are
+`store.CacheStore`'s, and how blocks hold and rebuild a model's KV cache is `kv_layout`'s.
+The engine thread calls `lookup()` before inserting a request into the batch and `store()`
+when a sequence's prompt is prefilled and when it finishes. All MLX work here runs on
 that engine thread; the SSD writer only writes bytes of evaluated arrays.
 
 Stored blocks go to the hot tier at once and to the SSD writer later (`write_back`):
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.block_hash import (
@@ -43,9 +44,16 @@ from omlx.cache.block_hash import (
     tail_keys,
     weights_digest,
 )
-from omlx.cache.hot_tier import HotTier
+from omlx.cache.kv_layout import (
+    KV_STACK,
+    join_blocks,
+    layer_tensors,
+    sliceable,
+    stack_group_bytes,
+    stackable,
+)
 from omlx.cache.prefill_cost import PrefillCost, attention_ratio
-from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.store import CacheStore
 from omlx.engine.llm_engine import PrefixCacheHooks
 from omlx.platform_info import discrete_gpu
 
@@ -141,216 +149,6 @@ def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     return i
 
 
-@dataclass
-class CacheCounters:
-    """Process-wide request-level counters (the tiers count their own blocks)."""
-
-    requests: int = 0
-    hits: int = 0
-    misses: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    skipped_restores: int = 0
-    unwritten_blocks: int = 0  # stored, not yet handed to the SSD writer (`write_back`)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self.lock:
-            return {
-                "requests": self.requests,
-                "hits": self.hits,
-                "misses": self.misses,
-                "prompt_tokens": self.prompt_tokens,
-                "hit_tokens": self.hit_tokens,
-                "hit_rate": (self.hit_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0,
-                "skipped_restores": self.skipped_restores,
-                "unwritten_blocks": self.unwritten_blocks,
-            }
-
-
-class CacheStore:
-    """The tiers shared by every loaded model; block keys include the model fingerprint.
-
-    `warm` (host RAM, for discrete GPUs) receives the blocks the hot tier evicts, as host
-    bytes; the hot tier's evictions happen on the engine thread that stores, so the copy
-    out of device memory does too. Each model's `PrefixCache` follows the evictions of its
-    blocks (`follow`): one that still waits for the SSD goes to the writer then, as the RAM
-    tier's copy where there is one, so device memory never holds blocks outside the hot
-    tier's budget and no block is copied out twice."""
-
-    def __init__(
-        self, hot: HotTier, ssd: SSDTier | None, block_size: int, warm: HotTier | None = None, demote_bound: int = 0
-    ):
-        self.hot = hot
-        self.warm = warm if warm is not None and warm.enabled else None
-        self.ssd = ssd if ssd is not None and ssd.enabled else None
-        self.block_size = block_size
-        self.counters = CacheCounters()
-        self.generation = 0  # bumped by clear(): blocks stored before it are not written back
-        # model fingerprint -> what its PrefixCache does with a block the hot tier let go
-        self._followers: dict[str, Callable[[CacheBlock, HostBlock | None], None]] = {}
-        # Blocks the hot tier let go that wait in device memory (up to `demote_bound` bytes) for
-        # their own engine to copy them to RAM (`demote`), between steps or when idle: copied
-        # at eviction, the device -> host copy (~2.4 GB/s on an H200: 0.16 s for 1 GB in the
-        # request log) held up the engine that stored, and every request behind it.
-        self.demote_bound = demote_bound if self.warm is not None and hot.enabled else 0
-        self._leaving: OrderedDict[str, tuple[CacheBlock, int]] = OrderedDict()  # (block, generation)
-        self._leaving_bytes = 0
-        self._leaving_lock = threading.Lock()
-        self._restored = 0  # bytes restores moved into the hot tier since nothing waited (`moved_in`)
-        # fingerprint -> engines (a reload may overlap the old engine's close) that demote its blocks
-        self._owners: dict[str, int] = {}
-        self.hot.on_evict = self._left_device
-
-    def follow(self, fingerprint: str, on_evicted: Callable[[CacheBlock, HostBlock | None], None]) -> None:
-        """Call `on_evicted(block, host_copy)` for each block of that model the hot tier lets go."""
-        self._followers[fingerprint] = on_evicted
-
-    def unfollow(self, fingerprint: str, on_evicted: Callable[[CacheBlock, HostBlock | None], None]) -> None:
-        if self._followers.get(fingerprint) == on_evicted:  # a reloaded model's may have replaced it
-            del self._followers[fingerprint]
-
-    def own(self, fingerprint: str) -> None:
-        """That model's engine will demote its blocks the hot tier lets go (`demote`)."""
-        with self._leaving_lock:
-            self._owners[fingerprint] = self._owners.get(fingerprint, 0) + 1
-
-    def _left_device(self, block: CacheBlock) -> None:
-        """A block leaving device memory goes to host RAM, copied out, unless RAM still holds
-        it (a block restored from RAM that the hot tier could not keep): no second copy. The
-        copy waits for the block's own engine while `demote_bound` allows."""
-        host = None
-        if self.warm is not None:
-            if self.warm.touch(block.key):
-                host = self.warm.peek(block.key)
-            elif self._defer(block):
-                return
-            else:
-                host = HostBlock.of(block, copy=True)
-                self.warm.put(host)
-        follower = self._followers.get(block.fingerprint)
-        if follower is not None:
-            follower(block, host)
-
-    def _defer(self, block: CacheBlock) -> bool:
-        if not self.hot.can_hold(block.nbytes):  # never held by the hot tier: no device memory to spare
-            return False
-        with self._leaving_lock:
-            if block.key in self._leaving:  # taken back for the SSD writer, and let go again
-                self._leaving.move_to_end(block.key)
-                return True
-            if block.fingerprint not in self._owners or self._leaving_bytes + block.nbytes > self._bound():
-                return False
-            self._leaving[block.key] = (block, self.generation)
-            self._leaving_bytes += block.nbytes
-        return True
-
-    def moved_in(self, nbytes: int) -> None:
-        """A restore or a store is about to put `nbytes` into the hot tier: the blocks that
-        pushes out may wait in device memory for their copy to RAM that many bytes beyond
-        `demote_bound` (up to the hot tier's size, until nothing waits), rather than be copied
-        out on the spot, by the engine's thread, while its requests wait: at 8B on an H200, a
-        4.2 GB restore from RAM that copied out as much as it brought in ran at 1.3 GB/s
-        instead of ~5; a prefetch that moved it a chunk per engine loop, copying out once past
-        the bound, at ~1.5 GB/s; and the store of a 32,000-token prompt into a full hot tier
-        kept the next request 2.1-3.6 s in the queue. The engine copies them when idle, or a
-        piece per step once they fill half of what may wait."""
-        if self.demote_bound:
-            with self._leaving_lock:
-                self._restored += nbytes
-
-    def _bound(self) -> int:
-        """Bytes that may wait for their copy to RAM now (caller holds `_leaving_lock`)."""
-        return self.demote_bound + min(self._restored, self.hot.max_bytes)
-
-    def leaving(self, key: str) -> bool:
-        """Whether the block waits in device memory for its copy to RAM."""
-        with self._leaving_lock:
-            return key in self._leaving
-
-    def reclaim(self, key: str) -> CacheBlock | None:
-        """A block waiting for its copy to RAM, taken back (it is wanted again: no copy)."""
-        with self._leaving_lock:
-            block, _ = self._leaving.pop(key, (None, 0))
-            if block is not None:
-                self._leaving_bytes -= block.nbytes
-        return block
-
-    def demote(self, fingerprint: str, limit: int, due: bool) -> bool:
-        """On that model's engine thread: copy its blocks waiting to leave device memory to
-        RAM, oldest first, up to `limit` bytes (at least one block), when `due` (an idle
-        engine) or while they fill more than half of what may wait (`_bound`). True when some
-        still wait."""
-        moved = 0
-        while True:
-            with self._leaving_lock:
-                block, generation = next(
-                    ((b, g) for b, g in self._leaving.values() if b.fingerprint == fingerprint), (None, 0)
-                )
-                if block is None:
-                    if not self._leaving:
-                        self._restored = 0
-                    return False
-                urgent = self._leaving_bytes > self._bound() // 2
-                if not (due or urgent) or (moved and moved + block.nbytes > limit):
-                    return True
-                del self._leaving[block.key]
-                self._leaving_bytes -= block.nbytes
-                self._restored = max(0, self._restored - block.nbytes)  # a busy engine may never empty it
-            moved += block.nbytes
-            if generation != self.generation:  # stored before a clear(): dropped
-                continue
-            host = self.to_ram(block)
-            follower = self._followers.get(fingerprint)
-            if follower is not None:
-                follower(block, host)
-
-    def to_ram(self, block: CacheBlock) -> HostBlock:
-        """`block`'s RAM copy, made now (engine thread) if RAM has none."""
-        held = self.warm.peek(block.key)
-        if held is None:
-            held = HostBlock.of(block, copy=True)
-            self.warm.put(held)
-        return held
-
-    def disown(self, fingerprint: str) -> None:
-        """At an engine's close: when it was the model's last, what waits is copied to RAM now
-        (this is its engine's thread) and later evictions are copied at once."""
-        with self._leaving_lock:
-            left = self._owners.get(fingerprint, 0) - 1
-            if left > 0:
-                self._owners[fingerprint] = left
-                return
-            self._owners.pop(fingerprint, None)
-        self.demote(fingerprint, limit=1 << 62, due=True)
-
-    def stats(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            **self.counters.snapshot(),
-            "demoting_bytes": self._leaving_bytes,  # evicted, waiting in device memory for the RAM copy
-            "hot": self.hot.stats(),
-            "warm": self.warm.stats() if self.warm else {"enabled": False},
-            "ssd": self.ssd.stats() if self.ssd else {"enabled": False},
-        }
-
-    def clear(self) -> None:
-        self.generation += 1
-        with self._leaving_lock:
-            self._leaving.clear()
-            self._leaving_bytes = 0
-            self._restored = 0
-        self.hot.clear()
-        if self.warm:
-            self.warm.clear()
-        if self.ssd:
-            self.ssd.clear()
-
-    def close(self) -> None:
-        if self.ssd:
-            self.ssd.close()
-
-
 class Throughput:
     """A tier's restore rate in bytes/s: decayed bytes over decayed seconds, so each restore
     counts by its size. A one-block probe must not outvote a whole run: per byte, small
@@ -384,94 +182,6 @@ class Throughput:
     def load(self, state: Any) -> None:
         if state is not None:
             self._bytes, self._seconds = (float(x) for x in state)
-
-
-# A block's tensor holding every layer's keys and values, (2 x layers, heads, tokens, head dim):
-# keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
-# keep a tensor per layer and kind ("0.keys", "0.values" ...), as blocks written before did.
-KV_STACK = "kv"
-# On a GPU a store stacks at most this many bytes of adjacent blocks at once (transient memory)
-STACK_GROUP_BYTES = 256 << 20
-
-
-def stack_group_bytes() -> int:
-    """How many bytes of adjacent blocks a store stacks at once: on a GPU, where every copy is
-    a kernel launch, `STACK_GROUP_BYTES`; on a CPU none (each block is stacked on its own,
-    one copy of its bytes, where cutting it from a shared stack would copy them twice)."""
-    return STACK_GROUP_BYTES if mx.default_device().type == mx.gpu else 0
-
-
-def stackable(cache: list[Any]) -> bool:
-    """Whether every layer's keys and values (batch of 1) have one shape but for their length,
-    and one dtype, so a block can hold them as one `KV_STACK` tensor."""
-    first = cache[0].keys
-    return all(
-        t.ndim == 4 and t.shape[0] == 1 and t.shape[1] == first.shape[1] and t.shape[3] == first.shape[3]
-        and t.dtype == first.dtype
-        for c in cache for t in (c.keys, c.values)
-    )  # fmt: skip
-
-
-def _layer_tensors(cache: list[Any], a: int, b: int) -> dict[str, mx.array]:
-    """Tokens a..b of every layer as a tensor per layer and kind (layers that differ in shape)."""
-    tensors = {}
-    for layer, c in enumerate(cache):
-        tensors[f"{layer}.keys"] = mx.contiguous(c.keys[:, :, a:b, :])
-        tensors[f"{layer}.values"] = mx.contiguous(c.values[:, :, a:b, :])
-    return tensors
-
-
-def _layer_kv(block: CacheBlock, layer: int) -> tuple[mx.array, mx.array]:
-    """A block's keys and values of one layer, (1, heads, tokens, head dim), in either format."""
-    kv = block.tensors.get(KV_STACK)
-    if kv is not None:
-        return kv[2 * layer][None], kv[2 * layer + 1][None]
-    return block.tensors[f"{layer}.keys"], block.tensors[f"{layer}.values"]
-
-
-def _first_tokens(t: mx.array, n: int, token_count: int) -> mx.array:
-    """A view of `t`'s first `n` tokens (axis 2); a new array object even for all of them:
-    handed to a KV cache as they are, a block's own arrays would change with the cache's
-    writes (MLX's `a[...] = x` updates the object `a`)."""
-    return t[:, :, : min(n, token_count), :]
-
-
-def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
-    c = KVCache()
-    c.state = (keys, values, keys.shape[2])
-    return c
-
-
-def join_blocks(parts: list[tuple[CacheBlock, int]], num_layers: int) -> list[KVCache]:
-    """One KV cache per layer from a chain's blocks; `(block, n)` uses the block's first n
-    tokens. Blocks that stack every layer (`KV_STACK`) are joined with one copy each, and each
-    layer's keys and values are views of the result: joined per layer, 125 blocks of a 1B
-    Llama took 14.5 ms on an H200 (4,000 copies) against 2.3 ms, and 44 ms at 8B. The joined
-    array lives until the last layer's cache has grown out of it (the next chunk): up to twice
-    the restored bytes meanwhile, where per-layer joins went a layer at a time."""
-    if all(KV_STACK in block.tensors for block, _ in parts):
-        stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
-        kv = stacks[0] if len(stacks) == 1 else mx.concatenate(stacks, axis=2)
-        return [_kv_cache(kv[2 * layer][None], kv[2 * layer + 1][None]) for layer in range(num_layers)]
-    caches = []
-    for layer in range(num_layers):
-        keys, values = [], []
-        for block, n in parts:
-            k, v = _layer_kv(block, layer)
-            keys.append(_first_tokens(k, n, block.token_count))
-            values.append(_first_tokens(v, n, block.token_count))
-        k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
-        v = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
-        caches.append(_kv_cache(k, v))
-    return caches
-
-
-def sliceable(model: Any) -> tuple[bool, str]:
-    """Only plain KVCache layers can be cut into token ranges and concatenated back."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds == {"KVCache"}:
-        return True, ""
-    return False, f"its cache layers are {', '.join(sorted(kinds))} (only KVCache can be split into blocks)"
 
 
 class PrefixCache(PrefixCacheHooks):
@@ -1043,7 +753,7 @@ class PrefixCache(PrefixCacheHooks):
         if not specs:
             return []
         if not stackable(cache):
-            return [self._block(key, parent, b - a, _layer_tensors(cache, a, b)) for key, parent, a, b in specs]
+            return [self._block(key, parent, b - a, layer_tensors(cache, a, b)) for key, parent, a, b in specs]
         per_token = 2 * len(cache) * cache[0].keys.shape[1] * cache[0].keys.shape[3] * cache[0].keys.itemsize
         most = max(1, stack_group_bytes() // max(1, per_token * self.B))
         blocks: list[CacheBlock] = []

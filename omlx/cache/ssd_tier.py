@@ -41,7 +41,7 @@ __all__ = ["SSDTier", "TimedRead", "FORMAT_VERSION", "read_header", "CorruptBloc
 
 log = logging.getLogger(__name__)
 
-# "2": a block's tensors may be all layers stacked as one (`prefix_cache.KV_STACK`); builds
+# "2": a block's tensors may be all layers stacked as one (`kv_layout.KV_STACK`); builds
 # that know only "1" (a tensor per layer) discard such files rather than serve them wrong.
 FORMAT_VERSION = "2"
 READABLE_FORMATS = ("1", "2")

@@ -15,9 +15,10 @@ from omlx import __version__
 from omlx.admin import install_admin, shutdown_admin
 from omlx.admin.metrics import RequestMetrics
 from omlx.api.responses_models import ResponseStore
-from omlx.cache.prefix_cache import CacheStore, make_prefix_cache
+from omlx.cache.prefix_cache import make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
+from omlx.cache.store import CacheStore
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.embedding_engine import encoder_factories
 from omlx.engine.llm_engine import LLMEngine

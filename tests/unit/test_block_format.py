@@ -21,8 +21,10 @@ import omlx.cache.prefix_cache as prefix_cache
 from omlx.cache.block import packed_on_host, staged_on_host
 from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache, join_blocks
+from omlx.cache.kv_layout import KV_STACK, join_blocks
+from omlx.cache.prefix_cache import PrefixCache
 from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.store import CacheStore
 
 B = 16
 FP = "b" * 64

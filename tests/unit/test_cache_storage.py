@@ -953,7 +953,7 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
 
 
 def test_prefill_cost_learns_per_token_and_attention_terms() -> None:
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     assert cost.seconds(100) is None  # nothing measured: the caller restores to get a measurement
@@ -972,7 +972,7 @@ def test_prefill_cost_sets_a_fixed_cost_per_prefill_apart() -> None:
     # H200); fitted as tokens it skews the other terms (the two-term model was off by -10% for
     # 12,032 tokens 19,968 deep, -14% for 256 tokens 30,000 deep, +43% for 4,000 at the root);
     # recomputing part of a prompt does not save it, so the prediction leaves it out
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     c, a, b = 0.08, 3e-5, 1e-9
     cost = PrefillCost()
@@ -983,7 +983,7 @@ def test_prefill_cost_sets_a_fixed_cost_per_prefill_apart() -> None:
 
 
 def test_prefill_cost_saved_before_the_fixed_term_still_loads() -> None:
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     cost.load({"xx": [[1e6, 0.0], [0.0, 0.0]], "xt": [2000.0, 0.0], "observations": 1})  # 1000 tokens: 2 s
@@ -995,7 +995,7 @@ def test_prefill_cost_saved_before_the_fixed_term_still_loads() -> None:
 def test_prefill_cost_takes_the_attention_share_from_the_model_where_prefills_do_not_tell_it() -> None:
     # all prefills of one length at the root: the attention term cannot be told from the
     # per-token one; without a prior it is dropped, and a deep recompute looks cheap
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     c, a, b = 0.05, 2.5e-5, 1e-9
     truth = a * 12032 + b * 12032 * (19968 + 12032 / 2)
@@ -1011,7 +1011,7 @@ def test_prefill_cost_takes_the_attention_share_from_the_model_where_prefills_do
 def test_prefill_cost_distrusts_a_fit_far_from_the_model_s_attention_share() -> None:
     # four prefills at the root whose noise bends the curve: fitted freely, 9x the attention the
     # shapes allow; with the model's share as the prior, a fit within its span is taken
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     prior = 4e-5
     prefills = [(512, 0, 0.06), (4000, 0, 0.11), (16000, 0, 0.45), (32000, 0, 1.40)]

@@ -21,8 +21,10 @@ from mlx_lm.models.cache import KVCache
 
 from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import KV_STACK, CacheStore, PrefixCache
+from omlx.cache.kv_layout import KV_STACK
+from omlx.cache.prefix_cache import PrefixCache
 from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.store import CacheStore
 from omlx.platform_info import discrete_gpu
 
 B = 16
@@ -311,7 +313,7 @@ def test_a_tail_the_engine_would_drop_is_not_fetched(tmp_path: Path) -> None:
 
 
 def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     cost.observe(8000, 0, 2.0)  # a GPU's first prefill of this shape: kernels compiling
@@ -775,7 +777,7 @@ def test_a_run_judged_slower_than_recompute_is_not_fetched_by_the_tail_search() 
 
 
 def test_one_slow_prefill_barely_moves_the_estimate_but_a_lasting_slowdown_does() -> None:
-    from omlx.cache.prefix_cache import PrefillCost
+    from omlx.cache.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     for _ in range(5):

@@ -743,7 +743,9 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
     # over 128 keys, a shape no prefill from the start has. Cut back to 64 while that shape
     # has not been built, the one from 64 has, and recomputing 16 tokens costs less than a build.
     from omlx.cache.hot_tier import HotTier
-    from omlx.cache.prefix_cache import CacheStore, PrefillCost, PrefixCache
+    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.prefix_cache import PrefixCache
+    from omlx.cache.store import CacheStore
 
     made: list[PrefixCache] = []
 
