@@ -54,7 +54,7 @@ from omlx.cache.kv_layout import (
 )
 from omlx.cache.prefill_cost import PrefillCost, attention_ratio
 from omlx.cache.store import CacheStore
-from omlx.engine.llm_engine import PrefixCacheHooks
+from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.platform_info import discrete_gpu
 
 log = logging.getLogger("omlx.cache")

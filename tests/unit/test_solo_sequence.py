@@ -653,7 +653,7 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
     # A lone request's prefill is all of its TTFT: the copies of stored blocks to RAM or the
     # SSD (`write_back`) wait for its end, and so does the SSD writer (`hold_writes`); before
     # and after it the engine makes them as usual.
-    from omlx.engine.llm_engine import PrefixCacheHooks
+    from omlx.engine.cache_hooks import PrefixCacheHooks
 
     calls: list[bool] = []  # per write_back: was a lone prompt being fed?
     holds: list[bool] = []
