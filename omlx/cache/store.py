@@ -3,7 +3,7 @@
 Each model's `PrefixCache` (prefix_cache.py) keys its blocks by its model's fingerprint and
 decides what to restore; this module holds the tiers themselves, the process-wide counters,
 and the hand-off of blocks that the hot tier lets go: to host RAM, copied out on their own
-engine's thread, and on to the SSD writer.
+engine's thread, then to their model's `PrefixCache`, which hands them to the SSD writer.
 """
 
 from __future__ import annotations
