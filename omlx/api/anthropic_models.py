@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from omlx.api.tool_specs import checked_choice, function_spec, tool_list, tool_name, unique
+from omlx.api.wire import Lenient, StopList, Temperature, TopK, TopP
 from omlx.errors import InvalidRequestError
-
-
-class Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
 
 
 class AnthropicMessage(Lenient):
@@ -31,10 +29,10 @@ class MessagesRequest(Lenient):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    stop_sequences: StopList = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -49,19 +47,64 @@ class CountTokensRequest(Lenient):
     thinking: dict[str, Any] | None = None
 
 
-def _text_of(blocks: str | list[dict[str, Any]] | None, where: str) -> str:
+MEDIA_KINDS = ("image", "document")
+# Blocks of Anthropic's own server tools (web search, MCP connector, code execution …) carry
+# nothing a local model can use: accepted and left out, as are `search_result` blocks.
+SKIPPED_KINDS = ("server_tool_use", "mcp_tool_use", "search_result", "container_upload")
+BLOCK_KINDS = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result", *MEDIA_KINDS, *SKIPPED_KINDS)
+
+
+def _known_kind(kind: Any) -> bool:
+    return kind in BLOCK_KINDS or (isinstance(kind, str) and kind.endswith("_tool_result") and kind != "tool_result")
+
+
+def _refuse(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{param}: {message}", param=param)
+
+
+def _block_text(block: dict[str, Any], param: str, key: str = "text") -> str:
+    value = block.get(key, "")
+    if not isinstance(value, str):
+        raise _refuse(f"'{key}' must be a string, got {type(value).__name__}.", f"{param}.{key}")
+    return value
+
+
+def _blocks(value: Any, param: str) -> list[dict[str, Any]]:
+    """Content blocks: each an object with a known `type`."""
+    if not isinstance(value, list):
+        raise _refuse(f"must be a string or a list of content blocks, got {type(value).__name__}.", param)
+    for j, block in enumerate(value):
+        if not isinstance(block, dict):
+            raise _refuse(f"each content block must be an object, got {type(block).__name__}.", f"{param}.{j}")
+        kind = block.get("type")
+        if not _known_kind(kind):
+            raise _refuse(f"unknown content block type {json.dumps(kind)[:40]}.", f"{param}.{j}.type")
+        if kind in MEDIA_KINDS:
+            raise _refuse(f"'{kind}' blocks are not supported by this text model.", f"{param}.{j}")
+    return value
+
+
+def _text_of(blocks: Any, where: str) -> str:
+    """The text of a string or of text blocks (system prompts, tool results)."""
     if blocks is None:
         return ""
     if isinstance(blocks, str):
         return blocks
     out = []
-    for b in blocks:
-        kind = b.get("type")
-        if kind == "text":
-            out.append(str(b.get("text", "")))
-        elif kind in ("image", "document"):
-            raise InvalidRequestError(f"{where}: '{kind}' blocks are not supported by this text model.")
+    for j, b in enumerate(_blocks(blocks, where)):
+        if b["type"] == "text":
+            out.append(_block_text(b, f"{where}.{j}"))
+        elif b["type"] in ("thinking", "redacted_thinking", "tool_use", "tool_result"):
+            raise _refuse(f"'{b['type']}' blocks cannot appear here; use text blocks.", f"{where}.{j}")
     return "\n".join(out) if len(out) > 1 and where.startswith("system") else "".join(out)
+
+
+def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
+    args = block.get("input", {})
+    if not isinstance(args, dict):
+        raise _refuse(f"'input' must be an object, got {type(args).__name__}.", f"{param}.input")
+    name = tool_name(block.get("name"), f"{param}.name")
+    return {"id": block.get("id"), "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
@@ -73,36 +116,32 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str
     for i, m in enumerate(req.messages):
         where = f"messages.{i}"
         if m.role == "system":  # seen mid-conversation from real clients
-            out.append({"role": "system", "content": _text_of(m.content, where)})
+            out.append({"role": "system", "content": _text_of(m.content, f"{where}.content")})
             continue
         if m.role not in ("user", "assistant"):
-            raise InvalidRequestError(f"{where}.role must be 'user' or 'assistant', got '{m.role}'.")
+            raise _refuse(f"role must be 'user' or 'assistant', got {m.role[:40]!r}.", f"{where}.role")
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
         text: list[str] = []
         thinking: list[str] = []
         calls: list[dict[str, Any]] = []
-        for j, block in enumerate(m.content):
-            kind = block.get("type")
+        for j, block in enumerate(_blocks(m.content, f"{where}.content")):
+            kind, param = block["type"], f"{where}.content.{j}"
             if kind == "text":
-                text.append(str(block.get("text", "")))
+                text.append(_block_text(block, param))
             elif kind in ("thinking", "redacted_thinking"):
-                thinking.append(str(block.get("thinking", "")))
+                thinking.append(_block_text(block, param, "thinking"))
             elif kind == "tool_use":
-                args = block.get("input") or {}
-                calls.append({"id": block.get("id"), "type": "function",
-                              "function": {"name": block.get("name"), "arguments": args}})
+                calls.append(_tool_use(block, param))
             elif kind == "tool_result":
                 if text:  # keep the order: text said before the result
                     out.append({"role": m.role, "content": "".join(text)})
                     text = []
-                result = _text_of(block.get("content"), f"{where}.content.{j}")
+                result = _text_of(block.get("content"), f"{param}.content")
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
-            elif kind in ("image", "document"):
-                raise InvalidRequestError(f"{where}.content.{j}: '{kind}' blocks are not supported by this text model.")
         if text or calls or thinking or not m.content:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
             if calls:
@@ -113,23 +152,26 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str
     return out
 
 
-def tool_specs(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Anthropic tools → function specs; server tools (web search …) are skipped."""
+def tool_specs(tools: Any) -> list[dict[str, Any]] | None:
+    """Anthropic tools → function specs; server tools (web search …, typed and named by
+    Anthropic) are skipped."""
     specs = []
-    for t in tools or []:
+    for i, t in enumerate(tool_list(tools, "tools")):
         if "input_schema" in t or t.get("type") in (None, "custom"):
-            specs.append({"name": t["name"], "description": t.get("description", ""),
-                          "parameters": t.get("input_schema") or {"type": "object", "properties": {}}})
-    return specs or None
+            specs.append(function_spec(t, f"tools.{i}", schema_key="input_schema"))
+    return unique(specs, "tools")
 
 
-def tool_choice_name(choice: dict[str, Any] | None) -> str | None:
+def tool_choice_name(choice: dict[str, Any] | None, specs: list[dict[str, Any]] | None) -> str | None:
+    """auto → 'auto', any → 'required', none → 'none', tool → its name (a declared tool)."""
     if not choice:
         return None
     kind = choice.get("type")
     if kind == "tool":
-        return choice.get("name")
-    return {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        return checked_choice(tool_name(choice.get("name"), "tool_choice.name"), specs, "tool_choice")
+    if kind not in ("auto", "any", "none"):
+        raise _refuse(f"type must be 'auto', 'any', 'tool' or 'none', got {json.dumps(kind)[:40]}.", "tool_choice.type")
+    return {"auto": "auto", "any": "required", "none": "none"}[kind]
 
 
 def thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any]:

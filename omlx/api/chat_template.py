@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from omlx.api.tool_specs import tool_name
 from omlx.errors import InvalidRequestError
 
 
@@ -18,20 +19,26 @@ def content_text(content: Any, param: str = "messages") -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-            elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-                out.append(str(part.get("text", "")))
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequestError(
-                    f"Content part of type '{kind}' is not supported by this text model.", param=param
-                )
-        return "".join(out)
-    raise InvalidRequestError("content must be a string or a list of content parts", param=param)
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"{param}: content must be a string or a list of content parts, got {type(content).__name__}.", param=param
+        )
+    out = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            out.append(part)
+        elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"{param}.{j}.text must be a string.", param=f"{param}.{j}.text")
+            out.append(text)
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(
+                f"{param}.{j}: content part of type {json.dumps(kind)[:40]} is not supported by this text model.",
+                param=f"{param}.{j}",
+            )
+    return "".join(out)
 
 
 def render_chat(
@@ -62,18 +69,30 @@ def render_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def normalize_tool_calls(tool_calls: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Templates expect `arguments` as a dict; OpenAI clients send a JSON string."""
+def normalize_tool_calls(tool_calls: list[Any] | None, param: str) -> list[dict[str, Any]] | None:
+    """An assistant turn's OpenAI tool calls, checked, with `arguments` as templates expect
+    them: a dict (clients send a JSON string; one that does not parse is kept as `_raw`)."""
     if not tool_calls:
         return None
     out = []
-    for call in tool_calls:
-        fn = dict(call.get("function") or {})
+    for k, call in enumerate(tool_calls):
+        where = f"{param}.{k}"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise InvalidRequestError(f"{where}.function must be an object with 'name' and 'arguments'.",
+                                      param=f"{where}.function")
+        fn = dict(fn)
+        tool_name(fn.get("name"), f"{where}.function.name")
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
                 fn["arguments"] = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:
                 fn["arguments"] = {"_raw": args}
+        elif args is None:
+            fn["arguments"] = {}
+        elif not isinstance(args, dict):
+            raise InvalidRequestError(f"{where}.function.arguments must be a JSON string or an object.",
+                                      param=f"{where}.function.arguments")
         out.append({"id": call.get("id"), "type": "function", "function": fn})
     return out

@@ -1,18 +1,27 @@
 """OpenAI wire models (requests) for chat completions and completions.
 
-Unknown fields are accepted and ignored: real clients send more than the minimal API.
-Ranges are validated here so a bad value is a 400 that names the parameter.
+Unknown fields are accepted and ignored (`wire.Lenient`); ranges are validated here
+(`omlx/api/wire.py`) so a bad value is a 400 that names the parameter.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-
-class Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
+from omlx.api.wire import (
+    Lenient,
+    LogitBias,
+    MinP,
+    Penalty,
+    RepetitionPenalty,
+    Seed,
+    StopField,
+    Temperature,
+    TopK,
+    TopP,
+)
 
 
 class StreamOptions(Lenient):
@@ -31,37 +40,20 @@ class ChatMessage(Lenient):
 class SamplingFields(Lenient):
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    seed: Seed = None
+    stop: StopField = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias = None
     user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, value in (v or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
-            if not -100 <= value <= 100:
-                raise ValueError(f"bias for token {key} must be within [-100, 100]")
-        return v
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -9,17 +9,17 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from omlx.api.chat_template import content_text
+from omlx.api.tool_specs import checked_choice, function_spec, tool_list, tool_name, unique
+from omlx.api.wire import Lenient, Temperature, TopP
 from omlx.errors import InvalidRequestError
 
 log = logging.getLogger("omlx.api")
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", protected_namespaces=())
-
+class ResponsesRequest(Lenient):
     model: str
     input: str | list[dict[str, Any]] = Field(default_factory=list)
     instructions: str | None = None
@@ -27,8 +27,8 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: Temperature = None
+    top_p: TopP = None
     stream: bool = False
     store: bool = True
     reasoning: dict[str, Any] | None = None
@@ -41,6 +41,20 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(value)
 
 
+def _call_arguments(value: Any, param: str) -> dict[str, Any]:
+    """A `function_call` item's arguments: a JSON string (one that does not parse is kept raw)."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{param} must be a JSON string, got {type(value).__name__}.", param=param)
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return {"_raw": value}
+
+
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input/output items → HF chat messages (calls attach to the assistant turn)."""
     out: list[dict[str, Any]] = []
@@ -50,14 +64,12 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role", "user")
             role = "system" if role == "developer" else role
             if role not in ("system", "user", "assistant"):
-                raise InvalidRequestError(f"input.{i}.role '{role}' is not supported.", param=f"input.{i}.role")
+                raise InvalidRequestError(f"input.{i}.role {json.dumps(role)[:40]} is not supported.", param=f"input.{i}.role")
             out.append({"role": role, "content": content_text(item.get("content"), f"input.{i}.content")})
         elif kind == "function_call":
-            try:
-                args = json.loads(item.get("arguments") or "{}")
-            except json.JSONDecodeError:
-                args = {"_raw": item.get("arguments")}
-            call = {"id": item.get("call_id"), "type": "function", "function": {"name": item.get("name"), "arguments": args}}
+            args = _call_arguments(item.get("arguments"), f"input.{i}.arguments")
+            name = tool_name(item.get("name"), f"input.{i}.name")
+            call = {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": args}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -73,27 +85,36 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Function tools (also inside `namespace` groups); built-in tools are ignored and logged."""
+def _function_specs(tools: Any, param: str) -> list[dict[str, Any]]:
     specs: list[dict[str, Any]] = []
-    for tool in tools or []:
+    for i, tool in enumerate(tool_list(tools, param)):
         kind = tool.get("type")
         if kind == "function":
-            specs.append({"name": tool["name"], "description": tool.get("description", ""),
-                          "parameters": tool.get("parameters") or {"type": "object", "properties": {}}})
+            specs.append(function_spec(tool, f"{param}.{i}"))
         elif kind == "namespace":
-            specs += function_tools(tool.get("tools")) or []
+            specs += _function_specs(tool.get("tools"), f"{param}.{i}.tools")
         else:
             log.info("ignoring Responses tool of type %r (not supported locally)", kind)
-    return specs or None
+    return specs
 
 
-def tool_choice_name(choice: str | dict[str, Any] | None) -> str | None:
-    if choice is None or isinstance(choice, str):
+def function_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Function tools (also inside `namespace` groups), checked; built-in tools are ignored
+    and logged."""
+    return unique(_function_specs(tools, "tools"), "tools")
+
+
+def tool_choice_name(choice: str | dict[str, Any] | None, specs: list[dict[str, Any]] | None) -> str | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {choice[:40]!r}.",
+                                      param="tool_choice")
         return choice
     if choice.get("type") == "function":
-        return choice.get("name")
-    return None
+        return checked_choice(tool_name(choice.get("name"), "tool_choice.name"), specs, "tool_choice")
+    return None  # built-in tool choices: the model chooses
 
 
 class ResponseStore:

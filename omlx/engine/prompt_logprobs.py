@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx.engine.request import TokenLogprob
+from omlx.engine.request import TokenLogprob, finite_logprob
 
 CHUNK = 512
 
@@ -43,5 +43,6 @@ def compute_prompt_logprobs(model: Any, tokens: list[int], top: int) -> list[Tok
             mx.eval(chosen)
             idx_l = vals_l = [[] for _ in targets]
         for j, (tok, lp) in enumerate(zip(targets, chosen.tolist(), strict=True)):
-            out.append(TokenLogprob(tok, float(lp), list(zip(idx_l[j], vals_l[j], strict=True))))
+            top_j = [(t, finite_logprob(v)) for t, v in zip(idx_l[j], vals_l[j], strict=True)]
+            out.append(TokenLogprob(tok, finite_logprob(float(lp)), top_j))
     return out

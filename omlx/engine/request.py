@@ -9,6 +9,7 @@ API's wire format.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -53,6 +54,16 @@ class GenerationRequest:
 
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+# What a token of no probability (or a NaN) is reported as: JSON has no -Infinity or NaN, and
+# OpenAI reports -9999.0 for such tokens.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    """`value`, or `LOGPROB_FLOOR` where it is lower, infinite or NaN."""
+    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 @dataclass

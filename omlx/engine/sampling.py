@@ -1,16 +1,26 @@
-"""Per-request samplers and logits processors built on mlx-lm's sampling helpers.
+"""Per-request samplers and logits processors built on mlx-lm's sampling helpers, guarded.
 
-Greedy requests get `None`, so BatchGenerator samples the whole batch with one
-call; unseeded requests with the same parameters share one sampler object, for the same
-reason (sequences with different samplers are sampled one by one: per step, a top-p sort
-over the vocabulary per sequence); a seeded request carries its own PRNG key so the same
-seed gives the same output whatever else shares the batch.
+Greedy requests get `None`, so BatchGenerator samples the whole batch with one call;
+unseeded requests with the same parameters on one engine thread share one sampler object,
+for the same reason (sequences with different samplers are sampled one by one: per step, a
+top-p sort over the vocabulary per sequence); a seeded request carries its own PRNG key so
+the same seed gives the same output whatever else shares the batch.
+
+Every sampler and processor is `Guarded`: mlx-lm's filters are compiled with MLX's global
+random state as an input and output, so one that raised while being traced left that state
+an array without a primitive, and every later sampled request in the process failed. A
+guarded call that raises repairs the state, falls back (argmax; logits unchanged) so the
+step goes on for the other sequences, and keeps the error for the engine to fail the
+requests that used it (`faults`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import secrets
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -26,6 +36,40 @@ from omlx.engine.request import SamplingParams
 Sampler = Callable[[mx.array], mx.array]
 
 
+def repair_random_state() -> None:
+    """Give MLX's global generator a fresh key (a failed compiled call leaves it unusable)."""
+    mx.random.seed(secrets.randbits(64))
+
+
+class Guarded:
+    """A sampler or logits processor whose failure is kept for its requests (`error`) instead
+    of failing the batch's step; called on the engine thread only."""
+
+    failures = 0  # across all guards: an engine scans its requests only when this moved
+
+    def __init__(self, fn: Callable[..., mx.array], fallback: Callable[..., mx.array]):
+        self.fn = fn
+        self.fallback = fallback
+        self.error: Exception | None = None
+
+    def __call__(self, *args: mx.array) -> mx.array:
+        try:
+            return self.fn(*args)
+        except Exception as exc:  # any failure of a request's own sampling stays its own
+            repair_random_state()
+            self.error = exc
+            Guarded.failures += 1
+            return self.fallback(*args)
+
+
+def _argmax(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _unchanged(tokens: mx.array, logits: mx.array) -> mx.array:
+    return logits
+
+
 def _filters(p: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
     methods: list[Callable[[mx.array], mx.array]] = []
     if 0 < p.top_p < 1.0:
@@ -37,12 +81,12 @@ def _filters(p: SamplingParams) -> list[Callable[[mx.array], mx.array]]:
     return methods
 
 
-def build_sampler(p: SamplingParams) -> Sampler | None:
+def build_sampler(p: SamplingParams) -> Guarded | None:
     """None means greedy (the batch's shared argmax sampler)."""
     if p.greedy:
         return None
     if p.seed is None:
-        return _shared_sampler(p.temperature, p.top_p, p.min_p, p.top_k)
+        return _shared_sampler(p.temperature, p.top_p, p.min_p, p.top_k, threading.get_ident())
     methods = _filters(p)
     inv_temp = 1.0 / p.temperature
     state = {"key": mx.random.key(p.seed)}
@@ -53,20 +97,37 @@ def build_sampler(p: SamplingParams) -> Sampler | None:
         state["key"], sub = mx.random.split(state["key"])
         return mx.random.categorical(logprobs * inv_temp, key=sub)
 
-    return seeded
+    return Guarded(seeded, _argmax)
 
 
 @functools.lru_cache(maxsize=256)
-def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
-    """mlx-lm's samplers keep no state (they draw from MLX's global PRNG), so one serves
-    every request with these parameters."""
-    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+def _shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int, thread: int) -> Guarded:
+    """mlx-lm's samplers keep no state of their own (they draw from MLX's global PRNG), so one
+    serves every request of an engine thread with these parameters."""
+    return Guarded(make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k), _argmax)
 
 
-def build_logits_processors(p: SamplingParams) -> list[Callable]:
-    return make_logits_processors(
+def build_logits_processors(p: SamplingParams) -> list[Guarded]:
+    processors = make_logits_processors(
         logit_bias=p.logit_bias or None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty not in (None, 1.0) else None,
         presence_penalty=p.presence_penalty or None,
         frequency_penalty=p.frequency_penalty or None,
     )
+    return [Guarded(fn, _unchanged) for fn in processors]
+
+
+def fault(sampler: Any, processors: Iterable[Any]) -> Exception | None:
+    """The failure kept by a request's sampler or processors, if any."""
+    for guard in (sampler, *processors):
+        error = getattr(guard, "error", None)
+        if error is not None:
+            return error
+    return None
+
+
+def clear_faults(guards: Iterable[Any]) -> None:
+    """Forget kept failures (once the requests that met them are failed)."""
+    for guard in guards:
+        if isinstance(guard, Guarded):
+            guard.error = None

@@ -15,21 +15,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omlx.api.wire import MinP, Penalty, RepetitionPenalty, Temperature, TopK, TopP
 from omlx.errors import InvalidRequestError, NotFoundError
 
 
 class GenerationDefaults(BaseModel):
     """What a model or profile may preset; None means "not set here"."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
     max_tokens: int | None = Field(default=None, ge=1)
     context_length: int | None = Field(default=None, ge=16, description="Cap on the context window")
     chat_template_kwargs: dict[str, Any] | None = None

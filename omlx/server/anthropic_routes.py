@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from omlx.api.anthropic_models import (
     CountTokensRequest,
@@ -33,16 +33,17 @@ from omlx.server.chat_pipeline import (
     run_chat,
 )
 from omlx.server.openai_routes import default_max_tokens, with_llm
-from omlx.server.sse import KEEPALIVE, sse_event, with_keepalive
+from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 
 router = APIRouter()
 
 
 def _turn(body: MessagesRequest) -> ChatTurn:
+    tools = tool_specs(body.tools)
     return ChatTurn(
         messages=to_chat_messages(body),
-        tools=tool_specs(body.tools),
-        tool_choice=tool_choice_name(body.tool_choice),
+        tools=tools,
+        tool_choice=tool_choice_name(body.tool_choice, tools),
         max_tokens=body.max_tokens,
         stop=list(body.stop_sequences or []),
         sampling={"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k},
@@ -76,19 +77,24 @@ def _tool_id() -> str:
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    return await with_llm(request, body.model, lambda e, r: _messages(body, request, e, r))
+    turn = _turn(body)  # checked before the model is leased (or loaded)
+    return await with_llm(request, body.model, lambda e, r: _messages(body, turn, request, e, r))
 
 
-async def _messages(body: MessagesRequest, request: Request, engine: LLMEngine, resolved: Resolved):
-    prepared = await prepare_chat(engine, resolved, _turn(body), default_max_tokens(request, resolved.defaults))
+async def _messages(body: MessagesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
+    prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
     msg_id = prepared.request.request_id
+    requests = [prepared.request]
+    engine.reserve(requests)
     if body.stream:
-        return StreamingResponse(
+        return EventStream(
             _stream(engine, prepared, msg_id, body.model, request.app.state.settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            on_close=lambda: engine.release(requests),
         )
-    result = await run_chat(engine, prepared)
+    try:
+        result = await run_chat(engine, prepared)
+    finally:
+        engine.release(requests)
     content: list[dict[str, Any]] = []
     if result.reasoning:
         content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
@@ -194,15 +200,15 @@ async def _stream(engine: LLMEngine, prepared: Any, msg_id: str, model: str, int
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
-    pool = request.app.state.pool
-    async with pool.lease(body.model, "llm") as (engine, _resolved):
-        turn = ChatTurn(
-            messages=to_chat_messages(body),
-            tools=tool_specs(body.tools),
-            tool_choice=tool_choice_name(body.tool_choice),
-            template_kwargs=thinking_kwargs(body.thinking),
-        )
-        tools = None if turn.tool_choice == "none" else turn.tools
+    tools = tool_specs(body.tools)  # checked before the model is leased (or loaded)
+    turn = ChatTurn(
+        messages=to_chat_messages(body),
+        tools=tools,
+        tool_choice=tool_choice_name(body.tool_choice, tools),
+        template_kwargs=thinking_kwargs(body.thinking),
+    )
+    tools = None if turn.tool_choice == "none" else turn.tools
+    async with request.app.state.pool.lease(body.model, "llm") as (engine, _resolved):
         native = bool(tools) and template_supports_tools(engine.tokenizer)
         tokens = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native)
     return {"input_tokens": len(tokens)}

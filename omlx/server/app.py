@@ -31,6 +31,7 @@ from omlx.pool.model_settings import ModelSettings
 from omlx.server.admin_routes import router as admin_router
 from omlx.server.anthropic_routes import router as anthropic_router
 from omlx.server.auth import require_admin, require_api_key
+from omlx.server.body_limits import BodyLimits
 from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
 from omlx.server.openai_chat import router as openai_chat_router
@@ -95,6 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.started = time.time()
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(BodyLimits)
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, str] | JSONResponse:

@@ -20,15 +20,13 @@ from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
 from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
-from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, new_request_id
+from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_id
 from omlx.errors import EngineError, InvalidRequestError
 from omlx.pool.engine_pool import Resolved
-from omlx.server.generation import completion_budget
+from omlx.server.generation import completion_budget, sampling_params
 
 log = logging.getLogger("omlx.server")
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
 @dataclass
@@ -40,7 +38,7 @@ class ChatTurn:
     stop: list[str] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)  # request values; None = not given
     seed: int | None = None
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[str, float] | None = None  # as the wire has it: token ids as strings
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None
     id_prefix: str = "chatcmpl"
@@ -143,17 +141,14 @@ async def prepare_chat(
         engine, len(prompt), turn.max_tokens, defaults.max_tokens or default_max_tokens,
         window_cap=defaults.context_length,
     )
-    values = {}
-    for name in SAMPLING_FIELDS:
-        value = turn.sampling.get(name)
-        if value is None:
-            value = getattr(defaults, name)
-        values[name] = FALLBACKS.get(name) if value is None else value
+    sampling = sampling_params(
+        turn.sampling, defaults, seed=turn.seed, logit_bias=turn.logit_bias, vocab_size=engine.model_vocab_size
+    )
     request = GenerationRequest(
         request_id=new_request_id(turn.id_prefix),
         prompt_tokens=prompt,
         max_tokens=budget,
-        sampling=SamplingParams(**values, seed=turn.seed, logit_bias=turn.logit_bias),
+        sampling=sampling,
         stop=turn.stop,
         logprobs=turn.logprobs,
     )

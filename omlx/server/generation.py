@@ -12,8 +12,43 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from omlx.engine.llm_engine import LLMEngine
-from omlx.engine.request import GenerationEvent, GenerationRequest
+from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams
 from omlx.errors import EngineError, InvalidRequestError
+from omlx.pool.model_settings import GenerationDefaults
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+def sampling_params(
+    values: dict[str, Any],
+    defaults: GenerationDefaults,
+    *,
+    seed: int | None,
+    logit_bias: dict[str, float] | None,
+    vocab_size: int,
+) -> SamplingParams:
+    """The request's sampling values over the model's (or profile's) defaults, in the engine's
+    form: a top-k of 0, below or at/beyond the vocabulary is no limit, a seed is taken modulo
+    2**64, and `logit_bias` must name tokens of this vocabulary (wire bounds: `api/wire.py`)."""
+    chosen: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        value = values.get(name)
+        if value is None:
+            value = getattr(defaults, name)
+        chosen[name] = FALLBACKS.get(name) if value is None else value
+    if not 0 < chosen["top_k"] < vocab_size:
+        chosen["top_k"] = 0
+    bias = None
+    if logit_bias:
+        bias = {int(key): value for key, value in logit_bias.items()}
+        outside = [tok for tok in bias if tok >= vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias names token {outside[0]}, outside the vocabulary (0..{vocab_size - 1}).",
+                param="logit_bias",
+            )
+    return SamplingParams(**chosen, seed=None if seed is None else seed % 2**64, logit_bias=bias)
 
 
 def completion_budget(

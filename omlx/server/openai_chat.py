@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from omlx.api.chat_template import content_text, normalize_tool_calls
 from omlx.api.openai_models import ChatCompletionRequest
 from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
+from omlx.api.tool_specs import openai_tool_choice, openai_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest
 from omlx.errors import InvalidRequestError
@@ -27,9 +28,9 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     run_chat,
 )
-from omlx.server.generation import fan_out, usage_dict
-from omlx.server.openai_routes import chat_logprobs, default_max_tokens, sampling_from, with_llm
-from omlx.server.sse import KEEPALIVE, sse_data, with_keepalive
+from omlx.server.generation import SAMPLING_FIELDS, fan_out, usage_dict
+from omlx.server.openai_routes import chat_logprobs, default_max_tokens, with_llm
+from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 
 router = APIRouter()
 
@@ -40,7 +41,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
         msg: dict[str, Any] = {"role": role, "content": content_text(m.content, f"messages.{i}.content")}
-        calls = normalize_tool_calls(m.tool_calls)
+        calls = normalize_tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
         if calls:
             msg["tool_calls"] = calls
         if m.tool_call_id:
@@ -53,24 +54,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> str | None:
-    if isinstance(choice, dict):
-        return (choice.get("function") or {}).get("name")
-    return choice
-
-
-def _turn(body: ChatCompletionRequest, engine: LLMEngine, resolved: Resolved) -> ChatTurn:
-    sampling = sampling_from(body, engine.model_vocab_size, resolved.defaults)
+def _turn(body: ChatCompletionRequest) -> ChatTurn:
+    """The request as a chat turn, checked before any model is leased."""
+    tools = openai_tools(body.tools)
     return ChatTurn(
         messages=chat_messages(body),
-        tools=[t.get("function", t) for t in (body.tools or []) if t.get("type", "function") == "function"] or None,
-        tool_choice=_tool_choice(body.tool_choice),
+        tools=tools,
+        tool_choice=openai_tool_choice(body.tool_choice, tools),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         stop=body.stop_list(),
-        sampling={k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                                                 "presence_penalty", "frequency_penalty")},
+        sampling={k: getattr(body, k) for k in SAMPLING_FIELDS},
         seed=body.seed,
-        logit_bias=sampling.logit_bias,
+        logit_bias=body.logit_bias,
         template_kwargs=dict(body.chat_template_kwargs or {}),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
@@ -97,25 +92,29 @@ def _usage(finals: list[ChatFinal]) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    return await with_llm(request, body.model, lambda e, r: _chat(body, request, e, r))
-
-
-async def _chat(body: ChatCompletionRequest, request: Request, engine: LLMEngine, resolved: Resolved):
     if (body.max_completion_tokens or body.max_tokens) == 0:
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
-    prepared = await prepare_chat(engine, resolved, _turn(body, engine, resolved), default_max_tokens(request, resolved.defaults))
+    turn = _turn(body)
+    return await with_llm(request, body.model, lambda e, r: _chat(body, turn, request, e, r))
+
+
+async def _chat(body: ChatCompletionRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
+    prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
     requests = fan_out(prepared.request, body.n)
     created = int(time.time())
     rid = prepared.request.request_id
+    engine.reserve(requests)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return EventStream(
             _stream(engine, prepared, requests, rid, body.model, created, include_usage,
                     request.app.state.settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            on_close=lambda: engine.release(requests),
         )
-    results = await asyncio.gather(*(run_chat(engine, prepared, r) for r in requests))
+    try:
+        results = await asyncio.gather(*(run_chat(engine, prepared, r) for r in requests))
+    finally:
+        engine.release(requests)
     choices = []
     for i, result in enumerate(results):
         lp = None

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from omlx.api.openai_models import CompletionRequest, SamplingFields
 from omlx.engine.llm_engine import LLMEngine
@@ -16,49 +16,26 @@ from omlx.engine.request import GenerationRequest, SamplingParams, TokenLogprob,
 from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.pool.model_settings import GenerationDefaults
+from omlx.server.disconnect import unless_disconnected
 from omlx.server.generation import (
+    SAMPLING_FIELDS,
     Collected,
     collect,
     completion_budget,
     fan_out,
     merged,
+    sampling_params,
     usage_dict,
 )
-from omlx.server.sse import KEEPALIVE, sse_data, with_keepalive
+from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 
 router = APIRouter()
 
 
 def sampling_from(req: SamplingFields, vocab_size: int, defaults: GenerationDefaults) -> SamplingParams:
     """Request values override the model's (or profile's) defaults."""
-    bias = None
-    if req.logit_bias:
-        bias = {}
-        for key, value in req.logit_bias.items():
-            tok = int(key)
-            if not 0 <= tok < vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias names token {tok}, outside the vocabulary (0..{vocab_size - 1}).",
-                    param="logit_bias",
-                )
-            bias[tok] = value
-    def pick(name: str, fallback: Any) -> Any:
-        value = getattr(req, name)
-        if value is None:
-            value = getattr(defaults, name)
-        return fallback if value is None else value
-
-    return SamplingParams(
-        temperature=pick("temperature", 1.0),
-        top_p=pick("top_p", 1.0),
-        top_k=pick("top_k", 0),
-        min_p=pick("min_p", 0.0),
-        repetition_penalty=pick("repetition_penalty", None),
-        presence_penalty=pick("presence_penalty", None),
-        frequency_penalty=pick("frequency_penalty", None),
-        seed=req.seed,
-        logit_bias=bias,
-    )
+    values = {name: getattr(req, name) for name in SAMPLING_FIELDS}
+    return sampling_params(values, defaults, seed=req.seed, logit_bias=req.logit_bias, vocab_size=vocab_size)
 
 
 def _token_text(tokenizer: Any, token: int) -> str:
@@ -100,27 +77,24 @@ def _pool(request: Request) -> Any:
 
 
 async def with_llm(request: Request, model: str, handler: Callable[..., Awaitable[Any]]) -> Any:
-    """Lease the model's engine for the handler; a stream keeps the lease until it ends."""
+    """Lease the model's engine for the handler; a stream keeps the lease until it ends. The
+    handler is cancelled when the client disconnects before it returns."""
     pool = _pool(request)
-    engine, resolved = await pool.acquire(model, "llm")
-    try:
-        response = await handler(engine, resolved)
-    except BaseException:
-        pool.release(engine)
-        raise
-    if isinstance(response, StreamingResponse):
-        response.body_iterator = _released(response.body_iterator, pool, engine)
-    else:
-        pool.release(engine)
-    return response
 
+    async def leased() -> Any:
+        engine, resolved = await pool.acquire(model, "llm")
+        try:
+            response = await handler(engine, resolved)
+        except BaseException:
+            pool.release(engine)
+            raise
+        if isinstance(response, EventStream):
+            response.on_close.append(lambda: pool.release(engine))
+        else:
+            pool.release(engine)
+        return response
 
-async def _released(stream: AsyncIterator[Any], pool: Any, engine: Any) -> AsyncIterator[Any]:
-    try:
-        async for item in stream:
-            yield item
-    finally:
-        pool.release(engine)
+    return await unless_disconnected(request, leased())
 
 
 def default_max_tokens(request: Request, defaults: GenerationDefaults) -> int:
@@ -194,15 +168,18 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
     rid = requests[0].request_id.rsplit("-", 1)[0] if body.n > 1 else requests[0].request_id
     created = int(time.time())
     prompt_texts = [tokenizer.decode(p) for p in prompts for _ in range(body.n)] if body.echo else []
+    engine.reserve(requests)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return EventStream(
             _completion_stream(engine, requests, rid, body.model, created, include_usage,
                                prompt_texts if body.echo else None, request.app.state.settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            on_close=lambda: engine.release(requests),
         )
-    results = await collect(engine, requests)
+    try:
+        results = await collect(engine, requests)
+    finally:
+        engine.release(requests)
     choices = []
     for i, r in enumerate(results):
         text = (prompt_texts[i] + r.text) if body.echo else r.text

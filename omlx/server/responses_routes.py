@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from omlx.api.responses_models import (
     ResponsesRequest,
@@ -24,7 +24,7 @@ from omlx.errors import InvalidRequestError, NotFoundError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_pipeline import ChatFinal, ChatTurn, final_from, parsed_events, prepare_chat
 from omlx.server.openai_routes import default_max_tokens, with_llm
-from omlx.server.sse import KEEPALIVE, sse_event, with_keepalive
+from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 
 router = APIRouter()
 
@@ -90,35 +90,40 @@ class ResponseBuilder:
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    return await with_llm(request, body.model, lambda e, r: _create(body, request, e, r))
-
-
-async def _create(body: ResponsesRequest, request: Request, engine: LLMEngine, resolved: Resolved):
-    messages = conversation_for(body, _store(request))
+    messages = conversation_for(body, _store(request))  # checked before the model is leased
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
     if not messages:
         raise InvalidRequestError("input must not be empty.", param="input")
+    tools = function_tools(body.tools)
     turn = ChatTurn(
         messages=messages,
-        tools=function_tools(body.tools),
-        tool_choice=tool_choice_name(body.tool_choice),
+        tools=tools,
+        tool_choice=tool_choice_name(body.tool_choice, tools),
         max_tokens=body.max_output_tokens,
         sampling={"temperature": body.temperature, "top_p": body.top_p},
         id_prefix="resp",
     )
+    return await with_llm(request, body.model, lambda e, r: _create(body, turn, request, e, r))
+
+
+async def _create(body: ResponsesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
+    messages = turn.messages
     prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
     builder = ResponseBuilder(body)
     store = _store(request)
+    requests = [prepared.request]
+    engine.reserve(requests)
     if body.stream:
-        return StreamingResponse(
+        return EventStream(
             _stream(engine, prepared, builder, store, messages, request.app.state.settings.keepalive_interval),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            on_close=lambda: engine.release(requests),
         )
-    events = _run(engine, prepared, builder, interval=3600.0)
-    async for _ in events:
-        pass
+    try:
+        async for _ in _run(engine, prepared, builder, interval=3600.0):
+            pass
+    finally:
+        engine.release(requests)
     response = builder.final_response  # type: ignore[attr-defined]
     _remember(store, builder, messages, response)
     return JSONResponse(response)
