@@ -36,8 +36,20 @@ from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.engine.device_fault import DEVICE, DeviceLostError
 from omlx.engine.graph_warmup import MAX_RESTARTS, MEMORY_FRACTION, GraphWarmup
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
-from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob
-from omlx.engine.sampling import build_logits_processors, build_sampler
+from omlx.engine.request import (
+    GenerationEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+    finite_logprob,
+)
+from omlx.engine.sampling import (
+    Guarded,
+    build_logits_processors,
+    build_sampler,
+    clear_faults,
+    fault,
+)
 from omlx.engine.solo import (
     GRAPH_BUILD_S,
     PREFILL_QUANTUM,
@@ -196,7 +208,10 @@ class LLMEngine:
         self._buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
         # ... and whatever other threads freed into it (None: on a CUDA GPU): `_foreign_buffers_cached`
         self.idle_empties_cache = discrete_gpu() if idle_empties_cache is None else idle_empties_cache
-        self._outstanding = 0  # submitted and not finished; read/written on the event loop
+        self._failures_seen = 0  # `Guarded.failures` when this engine last looked
+        self._outstanding = 0  # reserved or submitted, and not finished (event loop only)
+        self._reserved: set[str] = set()  # request ids with a place claimed, not yet submitted
+        self._live: dict[str, _Handle] = {}  # submitted and not finished (event loop only)
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
         self._stop = threading.Event()
@@ -219,17 +234,41 @@ class LLMEngine:
         if self._load_error is not None:
             raise self._load_error
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        """Submit a request and stream its events; closing the iterator cancels it."""
+    def reserve(self, requests: list[GenerationRequest]) -> None:
+        """Claim a place (running or waiting) for each request before its response starts, or
+        raise `OverloadedError` (429) for all of them: a stream refused later could only say so
+        in-band. `generate` then takes the place; `release` gives back what was not taken."""
         DEVICE.raise_if_lost()
-        if self._outstanding >= self.max_concurrent + self.max_waiting:
+        if self._outstanding + len(requests) > self.max_concurrent + self.max_waiting:
             raise OverloadedError(
                 f"Model '{self.model_id}' is busy: {self.max_concurrent} requests running and "
                 f"{self.max_waiting} waiting. Retry shortly.",
                 retry_after=2,
             )
+        self._outstanding += len(requests)
+        self._reserved.update(r.request_id for r in requests)
+
+    def release(self, requests: list[GenerationRequest]) -> None:
+        """The caller is done with `requests`: places not taken go back, and any request still
+        running is cancelled (its client left)."""
+        for r in requests:
+            if r.request_id in self._reserved:
+                self._reserved.discard(r.request_id)
+                self._outstanding -= 1
+            handle = self._live.get(r.request_id)
+            if handle is not None and not handle.done:
+                handle.done = True
+                self._inbox.put(("cancel", r.request_id))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Submit a request and stream its events; closing the iterator cancels it."""
+        if request.request_id in self._reserved:
+            self._reserved.discard(request.request_id)
+        else:
+            self.reserve([request])
+            self._reserved.discard(request.request_id)
         handle = _Handle(request, asyncio.get_running_loop(), asyncio.Queue())
-        self._outstanding += 1
+        self._live[request.request_id] = handle
         self._inbox.put(("submit", handle))
         try:
             while True:
@@ -248,6 +287,7 @@ class LLMEngine:
                     return
         finally:
             self._outstanding -= 1
+            self._live.pop(request.request_id, None)
             if not handle.done:
                 handle.done = True
                 self._inbox.put(("cancel", request.request_id))
@@ -489,6 +529,8 @@ class LLMEngine:
                 if self._running:
                     self._step()
                     self._buffers_dirty = True
+                    if Guarded.failures != self._failures_seen:
+                        self._fail_sampling_faults()
                 self._store_finished()
                 # idle, and no request waiting for this thread to move its cached prefix in from
                 # RAM: that restore is all of its TTFT, and the copies out would lengthen it
@@ -518,6 +560,18 @@ class LLMEngine:
                 self._prefilling = []
             self.active_count = len(self._running)
             self.waiting_count = len(self._waiting) + len(self._restoring)
+
+    def _fail_sampling_faults(self) -> None:
+        """Fail, alone, the requests whose own sampler or logits processors failed in this
+        step (they fell back so the step could go on for the others)."""
+        self._failures_seen = Guarded.failures
+        failed = [(state, error) for state in list(self._running.values())
+                  if (error := fault(state.sampler, state.processors)) is not None]
+        for state, error in failed:
+            log.warning("request=%s: sampling failed: %s", state.handle.request.request_id, error)
+            self._drop(state)
+            self._finish(state, "error", error=f"sampling failed: {error}")
+        clear_faults(g for state, _ in failed for g in (state.sampler, *state.processors))
 
     def _hold_writes(self, on: bool) -> None:
         if on != self._writes_held:
@@ -1161,11 +1215,12 @@ def _token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
     chosen = logprobs[token].item()
     alternatives: list[tuple[int, float]] = []
     if top > 0:
+        top = min(top, logprobs.shape[-1])
         idx = mx.argpartition(-logprobs, kth=top - 1)[:top]
         vals = logprobs[idx]
         order = mx.argsort(-vals)
-        alternatives = list(zip(idx[order].tolist(), vals[order].tolist(), strict=True))
-    return TokenLogprob(token, float(chosen), alternatives)
+        alternatives = [(t, finite_logprob(v)) for t, v in zip(idx[order].tolist(), vals[order].tolist(), strict=True)]
+    return TokenLogprob(token, finite_logprob(float(chosen)), alternatives)
 
 
 __all__ = ["LLMEngine", "EngineError"]

@@ -10,10 +10,11 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx.errors import OMLXError, OverloadedError
+from omlx.server.disconnect import ClientDisconnected, client_closed_response
 
 log = logging.getLogger("omlx.server")
 
@@ -102,6 +103,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 405:
             message = f"Method {request.method} is not allowed on {request.url.path}."
         return error_response(request, exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        log.info("%s %s: the client went before the answer was ready; its work was cancelled",
+                 request.method, request.url.path)
+        return client_closed_response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

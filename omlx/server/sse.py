@@ -4,12 +4,49 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
+
+import anyio
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
 KEEPALIVE = object()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that stops as soon as its client goes, in any phase (a
+    long prefill sends nothing for minutes), and then runs its `on_close` callbacks: the
+    engine's requests are cancelled, their places and the model's lease given back."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close: list[Callable[[], None]] = [on_close] if on_close else []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went while we wrote
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                for callback in self.on_close:
+                    callback()
 
 
 def sse_data(payload: Any) -> str:
