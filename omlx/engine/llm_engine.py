@@ -35,6 +35,7 @@ from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.engine.device_fault import DEVICE, DeviceLostError
 from omlx.engine.graph_warmup import MAX_RESTARTS, MEMORY_FRACTION, GraphWarmup
+from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import (
     GenerationEvent,
@@ -908,7 +909,11 @@ class LLMEngine:
         # Prompt blocks are stored one step after their prefill ends at the earliest: that step
         # produces the sequence's first token, which goes out before the store (`_first_token_out`).
         due, self._prompt_stores = self._prompt_stores, []
+        tic = time.perf_counter()
         prompt_responses, generation_responses = self._bg.next()
+        if any(not pr.end_of_prompt for pr in prompt_responses):  # prompts were fed a chunk each
+            step = self._bg.prefill_step_size
+            self._bg.prefill_step_size = paced_step(step, self.prefill_step_size, step, time.perf_counter() - tic)
         for pr in prompt_responses:
             if pr.end_of_prompt and pr.uid in self._running:
                 state = self._running[pr.uid]
@@ -946,10 +951,14 @@ class LLMEngine:
         """One chunk of the solo prompt, or one token, as `BatchGenerator.next` would do."""
         solo = state.solo
         if solo.prefilling:
-            tic = time.perf_counter()
+            tic, before = time.perf_counter(), len(solo.fed)
             done = solo.prefill()
-            state.chunk_seconds.append(time.perf_counter() - tic)
+            seconds = time.perf_counter() - tic
+            state.chunk_seconds.append(seconds)
             if not done:
+                solo.step_size = paced_step(
+                    solo.step_size, self.solo_prefill_step_size, len(solo.fed) - before, seconds, solo.quantum
+                )
                 return
             self._observe_prefill(state)
             state.store_prompt = self.prefix_cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens)
