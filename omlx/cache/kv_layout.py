@@ -19,6 +19,11 @@ from omlx.cache.block import CacheBlock
 # keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
 # keep a tensor per layer and kind ("0.keys", "0.values" ...), as blocks written before did.
 KV_STACK = "kv"
+# The most elements one joined array may hold. MLX 0.32's CUDA backend indexes a view with 32-bit
+# offsets: a restore of 47,872 tokens of an 8B model joined into one (64, 8, 47872, 128) array
+# (3.1e9 elements) met an illegal memory access and lost the device (tests/gpu/
+# test_large_array_views.py; docs/design/long-context.md).
+MAX_ARRAY_ELEMENTS = 2**31 - 1
 # On a GPU a store stacks at most this many bytes of adjacent blocks at once (transient memory)
 STACK_GROUP_BYTES = 256 << 20
 
@@ -71,17 +76,28 @@ def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
     return c
 
 
-def join_blocks(parts: list[tuple[CacheBlock, int]], num_layers: int) -> list[KVCache]:
+def join_blocks(
+    parts: list[tuple[CacheBlock, int]], num_layers: int, max_elements: int = MAX_ARRAY_ELEMENTS
+) -> list[KVCache]:
     """One KV cache per layer from a chain's blocks; `(block, n)` uses the block's first n
-    tokens. Blocks that stack every layer (`KV_STACK`) are joined with one copy each, and each
-    layer's keys and values are views of the result: joined per layer, 125 blocks of a 1B
-    Llama took 14.5 ms on an H200 (4,000 copies) against 2.3 ms, and 44 ms at 8B. The joined
-    array lives until the last layer's cache has grown out of it (the next chunk): up to twice
-    the restored bytes meanwhile, where per-layer joins went a layer at a time."""
+    tokens. Blocks that stack every layer (`KV_STACK`) are joined with one copy each per group
+    of layers, and each layer's keys and values are views of its group's array: joined per
+    layer, 125 blocks of a 1B Llama took 14.5 ms on an H200 (4,000 copies) against 2.3 ms,
+    and 44 ms at 8B. A group holds at most `max_elements` (`MAX_ARRAY_ELEMENTS`: MLX's CUDA
+    kernels index views with 32-bit offsets). The joined arrays live until the last layer's
+    cache has grown out of them (the next chunk): up to twice the restored bytes meanwhile."""
     if all(KV_STACK in block.tensors for block, _ in parts):
         stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
-        kv = stacks[0] if len(stacks) == 1 else mx.concatenate(stacks, axis=2)
-        return [_kv_cache(kv[2 * layer][None], kv[2 * layer + 1][None]) for layer in range(num_layers)]
+        rows, heads, _, dim = stacks[0].shape
+        per_layer = 2 * heads * dim * sum(s.shape[2] for s in stacks)
+        group = max(1, min(num_layers, max_elements // per_layer))  # layers per joined array
+        caches = []
+        for first in range(0, num_layers, group):
+            lo, hi = 2 * first, 2 * min(num_layers, first + group)
+            pieces = [s if (lo, hi) == (0, rows) else s[lo:hi] for s in stacks]
+            kv = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+            caches += [_kv_cache(kv[r][None], kv[r + 1][None]) for r in range(0, hi - lo, 2)]
+        return caches
     caches = []
     for layer in range(num_layers):
         keys, values = [], []

@@ -262,3 +262,20 @@ def test_a_cpu_store_makes_each_block_with_one_copy(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(mx, "contiguous", lambda a, *args, **kw: cuts.append(1) or real(a, *args, **kw))
     hot_cache().store(list(range(1, 4 * B + 1)), kv(4 * B), final=True)
     assert cuts == []
+
+
+@pytest.mark.parametrize("layers_per_array", [1, 2, 3])
+def test_a_restore_too_large_for_one_array_joins_its_layers_in_groups(
+    layers_per_array: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MLX's CUDA kernels index views with 32-bit offsets: no joined array may hold more than
+    # MAX_ARRAY_ELEMENTS (a 47,872-token restore of an 8B model in one array lost the GPU)
+    cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
+    original = kv(len(tokens))
+    cache.store(tokens, original, final=True)
+    parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)]
+    per_layer = 2 * 2 * 8 * 3 * B  # keys and values of one layer, all three blocks
+    joins = counted_joins(monkeypatch)
+    restored = join_blocks(parts, LAYERS, max_elements=layers_per_array * per_layer)
+    assert joins == [3] * -(-LAYERS // layers_per_array)  # one join of the 3 blocks per group
+    assert_restores(restored, original, 3 * B)
