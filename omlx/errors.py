@@ -80,6 +80,16 @@ class OverloadedError(OMLXError):
         self.retry_after = retry_after
 
 
+class ServiceUnavailableError(OMLXError):
+    """The server cannot take this request now (it is shutting down): retry elsewhere or later (503)."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str):
+        super().__init__(message, code="unavailable")
+
+
 class InsufficientMemoryError(OMLXError):
     status = 507
     error_type = "insufficient_memory_error"

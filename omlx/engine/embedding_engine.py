@@ -125,9 +125,13 @@ class EncoderEngine:
         finally:
             self._outstanding -= 1
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def request_stop(self) -> None:
+        """Ask the engine thread to stop after its current step (`shutdown` waits for it)."""
         self._stop.set()
         self._inbox.put(None)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.request_stop()
         self._thread.join(timeout)
 
     # ----- engine thread ------------------------------------------------------------

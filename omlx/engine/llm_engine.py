@@ -62,7 +62,7 @@ from omlx.engine.solo import (
     sdpa_graph_capacity,
 )
 from omlx.engine.stop_strings import StopStringMatcher
-from omlx.errors import EngineError, OverloadedError
+from omlx.errors import EngineError, OverloadedError, ServiceUnavailableError
 from omlx.models.loader import LoadedLLM
 from omlx.platform_info import discrete_gpu
 from omlx.pool.memory import load_measured
@@ -83,6 +83,11 @@ MAX_PENDING_STORES = 2
 # 1B model) holds the GIL, which the loop then waits for at each iteration on the token's way
 # out: 5.3 ms median, 10.4 max, against 0.15 ms (benchmarks/first_token_delivery_probe.py).
 FIRST_TOKEN_GRACE_S = 0.05
+# At a stop, finished requests' blocks are still stored for up to STOP_STORES_S, and the SSD
+# writer is given STOP_WRITES_S to finish its queue (what is left is dropped, never half
+# written): with the server's own grace, a SIGTERM ends the process within 15 s.
+STOP_STORES_S = 2.0
+STOP_WRITES_S = 5.0
 
 
 @dataclass(eq=False)
@@ -216,6 +221,7 @@ class LLMEngine:
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
         self._stop = threading.Event()
+        self._stopping: str | None = None  # why new requests are refused (`stop_generating`)
         # Events wait here until their event loop runs `_deliver`: one wake-up per loop per step
         # however many streams advanced, and a loop that fell behind gets each stream's events
         # merged into one.
@@ -240,6 +246,8 @@ class LLMEngine:
         raise `OverloadedError` (429) for all of them: a stream refused later could only say so
         in-band. `generate` then takes the place; `release` gives back what was not taken."""
         DEVICE.raise_if_lost()
+        if self._stopping is not None:
+            raise ServiceUnavailableError(self._stopping)
         if self._outstanding + len(requests) > self.max_concurrent + self.max_waiting:
             raise OverloadedError(
                 f"Model '{self.model_id}' is busy: {self.max_concurrent} requests running and "
@@ -263,6 +271,8 @@ class LLMEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Submit a request and stream its events; closing the iterator cancels it."""
+        if self._stopping is not None:
+            raise ServiceUnavailableError(self._stopping)
         if request.request_id in self._reserved:
             self._reserved.discard(request.request_id)
         else:
@@ -303,9 +313,19 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         return {"active": self.active_count, "waiting": self.waiting_count}
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def stop_generating(self, reason: str) -> None:
+        """From any thread: fail every request held or arriving from now on with `reason`
+        (the server is going down; their clients get an answer, not a cut connection)."""
+        self._stopping = reason
+        self._inbox.put(("fail_all", reason))
+
+    def request_stop(self) -> None:
+        """Ask the engine thread to stop after its current step (`shutdown` waits for it)."""
         self._stop.set()
         self._inbox.put(("stop",))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.request_stop()
         self._thread.join(timeout)
 
     # ----- engine thread ------------------------------------------------------------
@@ -491,8 +511,8 @@ class LLMEngine:
                     if self._graph_warmup is not None:
                         self._graph_warmup.close("the engine stopped")
                     self._hold_writes(False)
-                    self._drop_pending_stores(seconds=2.0)
-                    self._close_prefix_cache(timeout=8.0)
+                    self._drop_pending_stores(seconds=STOP_STORES_S)
+                    self._close_prefix_cache(timeout=STOP_WRITES_S)
         finally:
             self._bg.close()
 
@@ -579,6 +599,13 @@ class LLMEngine:
             self._writes_held = on
             self.prefix_cache.hold_writes(on)
 
+    def _fail_all(self, error: str) -> None:
+        """Answer every request held with `error`; running ones stop computing now."""
+        for state in list(self._running.values()):
+            self._drop(state)
+            self._finish(state, "error", error=error)
+        self._fail_queued(error)
+
     def _fail_queued(self, error: str) -> None:
         """Answer every request not yet running with `error` (the device is lost)."""
         queued = [*self._waiting, *self._restoring]
@@ -636,6 +663,8 @@ class LLMEngine:
                 pass
             elif kind == "cancel":
                 self._cancel(msg[1])
+            elif kind == "fail_all":
+                self._fail_all(msg[1])
             elif kind == "call":
                 _, fn, loop, future = msg
                 try:

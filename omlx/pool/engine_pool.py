@@ -39,6 +39,8 @@ class Engine(Protocol):
 
     async def wait_ready(self) -> None: ...
 
+    def request_stop(self) -> None: ...
+
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
@@ -337,8 +339,18 @@ class EnginePool:
             self.unload(model_id)
         return expired
 
+    def stop_generating(self, reason: str) -> None:
+        """From any thread: every engine that generates fails what it holds and refuses new
+        requests with `reason` (the server is going down)."""
+        for entry in list(self.entries.values()):
+            stop = getattr(entry.engine, "stop_generating", None)
+            if stop is not None:
+                stop(reason)
+
     def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for entry in list(self.entries.values()):  # all engines stop at once, then each is joined
+            entry.engine.request_stop()
         for model_id in list(self.entries):
             self.unload(model_id)

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -18,6 +19,26 @@ log = logging.getLogger("omlx")
 
 DEVICE_LOST_GRACE_S = 1.0  # for the failed requests' answers to go out before the shutdown
 SHUTDOWN_DEADLINE_S = 30.0
+# After SIGTERM or Ctrl-C, connections get this long to close once their requests were failed;
+# then they are cut. With the engines' stop (llm_engine.STOP_STORES_S, STOP_WRITES_S) the
+# process is gone within 15 s, however long a prefill it was in.
+SHUTDOWN_GRACE_S = 3
+SHUTDOWN_MESSAGE = "The server is shutting down; retry the request shortly."
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, which on the first SIGTERM or SIGINT also tells the engines to fail
+    what they hold (`on_exit`), so that no stream keeps the graceful shutdown waiting."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            self._on_exit()
 
 
 def configure_logging(level: str) -> None:
@@ -110,7 +131,11 @@ def run_server(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     DEVICE.on_lost(shut_down_when_device_lost())
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    StoppingServer(config, on_exit=lambda: app.state.pool.stop_generating(SHUTDOWN_MESSAGE)).run()
     # The engines, SSD writer and downloads were stopped by the app's shutdown. Leave without
     # the interpreter's teardown: MLX's stream threads abort the process there ("terminate
     # called without an active exception") once a model has generated on an engine thread.

@@ -9,10 +9,13 @@ caller's dialect, like a non-streaming request.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -173,3 +176,39 @@ def test_a_storm_of_streams_beyond_the_queue_gets_429_not_in_band_errors(server)
             assert '"error"' not in text and text.rstrip().endswith("data: [DONE]"), text[-300:]
     wait_for(server, lambda s: s == (0, 0), timeout=10)
 
+
+
+def test_sigterm_during_a_long_prefill_stops_the_server_within_15_s(tmp_path: Path):
+    """The stream in flight is answered (an error event, not a cut connection), the SSD
+    writer's queue is flushed or dropped whole, and the next start loads the cache cleanly."""
+    models = tmp_path / "models"
+    build_tiny_llama(models / MODEL, context=32768)
+    server = ServerProcess(tmp_path / "home", ["--model-dir", str(models), "--model", MODEL])
+    server.start()
+    try:
+        finished = httpx.post(server.base_url + "/v1/completions", json=long_completion(False, 2), timeout=120)
+        assert finished.status_code == 200  # its blocks go to the SSD while the next one runs
+        sock = send_raw(server, "/v1/completions", {**long_completion(True), "prompt": [9] * 2 * LONG})
+        wait_for(server, lambda s: s[0] == 1, timeout=30)
+        time.sleep(1.0)
+        tic = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        took = time.monotonic() - tic
+        answer = read_until(sock, b"data: [DONE]", timeout=5).decode(errors="replace")
+        sock.close()
+    finally:
+        server.stop()
+    print(f"stopped in {took:.2f}s")
+    assert took < 15, server.log()[-3000:]
+    assert "shutting down" in answer, answer[-1000:]
+    assert "Traceback" not in server.log()
+    again = ServerProcess(tmp_path / "home", ["--model-dir", str(models), "--model", MODEL])
+    again.start()
+    try:
+        hit = httpx.post(again.base_url + "/v1/completions", json=long_completion(False, 2), timeout=120).json()
+        assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the first prompt's blocks survived
+    finally:
+        again.stop()
+    loaded = re.findall(r"loaded: (\d+) blocks .*; (\d+) unreadable files discarded", again.log())
+    assert loaded and int(loaded[-1][0]) > 0 and loaded[-1][1] == "0", again.log()[-3000:]
