@@ -691,16 +691,27 @@ class LLMEngine:
             return
         for uid, state in list(self._running.items()):
             if state.handle is handle:
-                # a prompt store waiting for the first token to go out is made now (a client
-                # that retries finds the prompt), before the sequence's cache goes
-                if state.solo is not None:
-                    self._store_solo_prompt(state, now=True)
-                elif uid in self._prompt_stores:
-                    self._prompt_stores.remove(uid)
-                    self._store_batch_prompt(uid, state)
+                self._store_computed_prompt(uid, state)
                 self._drop(state)
                 del self._running[uid]
                 self._log_finished(state, "cancelled")
+
+    def _store_computed_prompt(self, uid: int, state: _Running) -> None:
+        """A request cancelled keeps what its prompt computed: a prompt store waiting for the
+        first token is made now, and a prefill cut short stores the blocks fed so far, so a
+        client that retries continues where it left (before the sequence's cache goes)."""
+        if state.solo is not None:
+            solo = state.solo
+            if solo.prefilling:
+                fed = solo.fed[: state.prompt_len]
+                if self.prefix_cache.wants_prompt_blocks(len(fed), state.cached_tokens):
+                    self._store(fed, solo.cache, final=False)
+            else:
+                self._store_solo_prompt(state, now=True)
+        elif uid in self._prompt_stores or state.first_token is None:
+            if uid in self._prompt_stores:
+                self._prompt_stores.remove(uid)
+            self._store_batch_prompt(uid, state)
 
     def _drop(self, state: _Running) -> None:
         """Stop computing a sequence that ends before its generator says so."""
@@ -736,8 +747,12 @@ class LLMEngine:
             self._advance_restoring()
         if self._waiting and self._solo_uid is not None and self.max_concurrent > 1:
             self._hand_off()  # a second request: the solo one joins the batch first
+        deferred: list[_Handle] = []
         while self._waiting and len(self._running) + len(self._restoring) < self.max_concurrent:
             handle = self._waiting.popleft()
+            if self._shares_a_prefill(handle):
+                deferred.append(handle)
+                continue
             try:
                 if handle.taken is None:
                     handle.taken = time.perf_counter()
@@ -754,6 +769,23 @@ class LLMEngine:
                 log.exception("request %s failed at admission", handle.request.request_id)
                 self._by_request.pop(handle.request.request_id, None)
                 self._emit(handle, GenerationEvent(finish_reason="error", error=str(exc)))
+        self._waiting.extendleft(reversed(deferred))
+
+    def _shares_a_prefill(self, handle: _Handle) -> bool:
+        """Whether a running request is still computing (or about to store) at least half of
+        this one's prompt: it waits for those blocks rather than computing them a second time
+        (eight retries of one 18,798-token prompt once prefilled side by side, from zero)."""
+        block = self.prefix_cache.block_size
+        prompt = handle.request.prompt_tokens
+        if not block or len(prompt) < 2 * block:
+            return False
+        for uid, state in self._running.items():
+            if not (state.first_token is None or state.store_prompt or uid in self._prompt_stores):
+                continue
+            shared = _shared_blocks(prompt, state.handle.request.prompt_tokens[: state.prompt_len], block)
+            if shared - state.cached_tokens >= block and 2 * shared >= len(prompt):
+                return True
+        return False
 
     def _read_ahead(self, handle: _Handle) -> bool:
         """Whether the request's cached prefix is being made ready ahead (read from the SSD
@@ -974,7 +1006,8 @@ class LLMEngine:
             # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
             # so the same prompt finds it again (also after a restart)
             prompt = list(cache_and_tokens[1])[: state.prompt_len]
-            self._store(prompt, cache_and_tokens[0], final=False)
+            if len(prompt) == state.prompt_len or self.prefix_cache.wants_prompt_blocks(len(prompt), state.cached_tokens):
+                self._store(prompt, cache_and_tokens[0], final=False)
 
     def _solo_step(self, state: _Running) -> None:
         """One chunk of the solo prompt, or one token, as `BatchGenerator.next` would do."""
@@ -1233,6 +1266,14 @@ class LLMEngine:
             pending = self._outbox.pop(loop, {})
         for handle, event in pending.items():
             handle.events.put_nowait(event)
+
+
+def _shared_blocks(a: list[int], b: list[int], block: int) -> int:
+    """Tokens of the whole blocks that `a` and `b` begin with alike."""
+    n = 0
+    while n + block <= min(len(a), len(b)) and a[n : n + block] == b[n : n + block]:
+        n += block
+    return n
 
 
 def _mark_first_out(handle: _Handle) -> None:
