@@ -106,6 +106,12 @@ SETTINGS: tuple[Setting, ...] = (
         "Memory all loaded models may use together (bytes like 16GB or a share of RAM / GPU memory like 80%); least recently used idle models are unloaded to make room. 0 = no limit.",
     ),
     Setting(
+        "max_kv_memory",
+        str,
+        "auto",
+        "KV cache memory one model's running sequences may hold (bytes like 8GB or a share like 30%). auto: what 90% of the device's memory (GPU memory, else RAM) leaves next to weights and other models; the hot cache tier yields first. A request waits until its prompt plus 512 tokens fit; a prompt that can never fit gets a 400; when decoding sequences outgrow it, the newest is paused and resumed later.",
+    ),
+    Setting(
         "idle_timeout",
         int,
         0,

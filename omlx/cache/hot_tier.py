@@ -172,6 +172,25 @@ class HotTier:
                 evicted.append(old)
         self._hand_over(evicted)
 
+    def shed(self, nbytes: int) -> int:
+        """Evict least recently used blocks (to `on_evict`) until `nbytes` are freed or none
+        is left; the bytes freed."""
+        evicted, freed = [], 0
+        with self._lock:
+            while self._blocks and freed < nbytes:
+                old_key, old = self._blocks.popitem(last=False)
+                size = self._sizes.pop(old_key)
+                self._bytes -= size
+                self._evictions += 1
+                freed += size
+                evicted.append(old)
+        self._hand_over(evicted)
+        return freed
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {

@@ -111,6 +111,18 @@ def join_blocks(
     return caches
 
 
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes each token adds to the model's KV cache (its KVCache layers; rotating windows and
+    recurrent state do not grow with the sequence), measured on a one-token forward pass."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return sum(
+        (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+        for c in cache if type(c) is KVCache and c.keys is not None
+    )  # fmt: skip
+
+
 def sliceable(model: Any) -> tuple[bool, str]:
     """Only plain KVCache layers can be cut into token ranges and concatenated back."""
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}

@@ -974,6 +974,17 @@ class PrefixCache(PrefixCacheHooks):
             else:
                 c.misses += 1
 
+    def hot_bytes(self) -> int:
+        return self.tiers.hot.held_bytes
+
+    def yield_memory(self, nbytes: int) -> int:
+        """The hot tier's least recently used blocks leave device memory (to RAM or the SSD,
+        as any eviction) until `nbytes` are freed; the bytes freed."""
+        freed = self.tiers.hot.shed(nbytes)
+        if freed:
+            log.info("hot tier yielded %d bytes of device memory to running sequences", freed)
+        return freed
+
     def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
         """Store right after prefill only when at least a block's worth was computed: then the
         copy is small next to the prefill; short prompts are stored when they finish. Not when

@@ -76,6 +76,16 @@ class PrefixCacheHooks:
         whose TTFT they would stretch)."""
         return None
 
+    def hot_bytes(self) -> int:
+        """Bytes the hot tier holds in the device's memory (it yields them before a request
+        is refused for memory)."""
+        return 0
+
+    def yield_memory(self, nbytes: int) -> int:
+        """Move at least `nbytes` of hot blocks on to slower tiers (or drop them), least
+        recently used first; the bytes freed."""
+        return 0
+
     def close(self, timeout: float) -> None:
         """At shutdown: move everything still waiting, for up to `timeout` seconds."""
         return None

@@ -30,11 +30,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, StopSequences
 
+from omlx.cache.kv_layout import kv_bytes_per_token
 from omlx.engine import activity
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.engine.device_fault import DEVICE, DeviceLostError
 from omlx.engine.graph_warmup import MAX_RESTARTS, MEMORY_FRACTION, GraphWarmup
+from omlx.engine.kv_budget import KvBudget
 from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import (
@@ -65,7 +67,7 @@ from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import EngineError, OverloadedError, ServiceUnavailableError
 from omlx.models.loader import LoadedLLM
 from omlx.platform_info import discrete_gpu
-from omlx.pool.memory import load_measured
+from omlx.pool.memory import load_measured, memory_limit_total
 
 log = logging.getLogger("omlx.engine")
 # A request alone in the engine is prefilled in chunks of at least this many tokens where the
@@ -101,6 +103,7 @@ class _Handle:
     taken: float | None = None  # when the engine first took it (a read-ahead may follow)
     queued: float = 0.0  # seconds from the API building the request to `taken`
     prefetched: Any = None  # its finished read-ahead, for `_insert`
+    resume: Any = None  # the `_Running` state of a sequence paused for memory, to go on with
     admit_s: tuple[float, float] = (0.0, 0.0)  # finishing its prefix's stores, asking for a read-ahead
     first_out: bool = False  # its first event has left the event loop (`generate`)
 
@@ -117,6 +120,8 @@ class _Running:
     cached_tokens: int
     start: float  # the engine took it (before its cached prefix was restored): TTFT counts from here
     prefill_start: float  # after the restore: a prefill's time counts from here
+    reserved: int = 0  # tokens of KV memory reserved at admission (`KvBudget.reservation`)
+    generated: list[int] = field(default_factory=list)  # token ids emitted so far
     sampler: Any = None  # kept for a hand-off: a seeded sampler's key state goes with it
     processors: list[Any] = field(default_factory=list)
     stop_sequences: Any = None
@@ -149,6 +154,7 @@ class LLMEngine:
         graph_warmup_tokens: int = 0,
         graph_shapes: bool | None = None,
         idle_empties_cache: bool | None = None,
+        max_kv_memory: int | None = None,
     ):
         self.model_id = model_id
         self._on_finished = on_finished  # called on the engine thread with each request's numbers
@@ -187,6 +193,12 @@ class LLMEngine:
         self._ready = threading.Event()
         self._load_error: BaseException | None = None
         self.memory_bytes = 0  # measured on the engine thread after loading
+        self._max_kv_memory = max_kv_memory
+        self.kv_budget: KvBudget | None = None  # measured at load (`kv_bytes_per_token`)
+        # the longest sequence this device's memory could ever hold (None: not limited); routes
+        # refuse longer prompts and clamp max_tokens to it
+        self.max_sequence_tokens: int | None = None
+        self.paused_for_memory = 0  # sequences paused so far because the running ones outgrew memory
         self.leases = 0  # held by routes between acquire and release (event loop only)
         self.kind = "llm"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -379,6 +391,8 @@ class LLMEngine:
             with mx.stream(self._stream):
                 self._warm_up()
             self._graph_warmup = self._new_graph_warmup()
+            self.kv_budget = KvBudget(kv_bytes_per_token(self.model), memory_limit_total(), self._max_kv_memory)
+            self.max_sequence_tokens = self.kv_budget.most_tokens(self.memory_bytes)
             return True
         except BaseException as exc:  # reported to every waiter by wait_ready()
             DEVICE.check(exc)
@@ -550,6 +564,7 @@ class LLMEngine:
                 if self._running:
                     self._step()
                     self._buffers_dirty = True
+                    self._pause_if_outgrown()
                     if Guarded.failures != self._failures_seen:
                         self._fail_sampling_faults()
                 self._store_finished()
@@ -753,6 +768,9 @@ class LLMEngine:
             if self._shares_a_prefill(handle):
                 deferred.append(handle)
                 continue
+            if not self._kv_fits(handle):
+                self._waiting.appendleft(handle)  # first in line: it goes when memory frees up
+                break
             try:
                 if handle.taken is None:
                     handle.taken = time.perf_counter()
@@ -770,6 +788,72 @@ class LLMEngine:
                 self._by_request.pop(handle.request.request_id, None)
                 self._emit(handle, GenerationEvent(finish_reason="error", error=str(exc)))
         self._waiting.extendleft(reversed(deferred))
+
+    def _kv_held(self, actual: bool = False) -> int:
+        """Bytes of KV the running sequences hold (`actual`) or have reserved, if more."""
+        bpt = self.kv_budget.bytes_per_token if self.kv_budget else 0
+        return bpt * sum(
+            s.prompt_len + s.completion_tokens if actual else max(s.reserved, s.prompt_len + s.completion_tokens)
+            for s in self._running.values()
+        )
+
+    def _kv_room(self, held: int) -> int:
+        return self.kv_budget.room(mx.get_active_memory(), held, self.prefix_cache.hot_bytes())
+
+    def _kv_fits(self, handle: _Handle) -> bool:
+        """Whether the request's reservation fits next to what the running sequences hold; the
+        hot tier yields memory first. One alone always goes (a prompt that can never fit was
+        refused at the route)."""
+        budget = self.kv_budget
+        if handle.resume is not None or not budget or not budget.bytes_per_token or not self._running:
+            return True
+        req = handle.request
+        need = budget.reservation(len(req.prompt_tokens), req.max_tokens) * budget.bytes_per_token
+        held = self._kv_held()
+        short = held + need - self._kv_room(held)
+        return short <= 0 or self.prefix_cache.yield_memory(short) >= short
+
+    def _pause_if_outgrown(self) -> None:
+        """When the decoding sequences have outgrown the room (the hot tier yielding first),
+        the newest is paused: its cache goes to the prefix cache's tiers and it waits first in
+        line, to go on from there once there is room."""
+        if len(self._running) < 2 or not self.kv_budget or not self.kv_budget.bytes_per_token:
+            return
+        held = self._kv_held(actual=True)
+        short = held - self._kv_room(held)
+        if short <= 0 or self.prefix_cache.yield_memory(short) >= short:
+            return
+        batch = [s for s in self._running.values() if s.solo is None and s.first_token is not None]
+        if len(batch) < 2:
+            return
+        state = max(batch, key=lambda s: s.start)
+        found = self._bg.remove([state.uid], return_prompt_caches=True).get(state.uid)
+        del self._running[state.uid]
+        if found is not None:
+            start = self._store(list(found[1]), found[0], final=True)
+            if start:
+                self._pending_stores.append((list(found[1]), found[0], start))
+            self.prefix_cache.yield_memory((state.prompt_len + state.completion_tokens) * self.kv_budget.bytes_per_token)
+        self.paused_for_memory += 1
+        log.info("request=%s paused: running sequences outgrew KV memory (%d bytes short)",
+                 state.handle.request.request_id, short)
+        state.handle.resume = state
+        self._waiting.appendleft(state.handle)
+
+    def _resume(self, handle: _Handle) -> None:
+        """Insert a paused sequence again: its prompt and the tokens it generated, as far as
+        cached, restored; it goes on from its last token."""
+        state = handle.resume
+        handle.resume = None
+        tokens = state.handle.request.prompt_tokens + state.generated
+        cache, cached = self.prefix_cache.lookup(tokens)
+        cached = min(cached, len(tokens) - 1)
+        if cache is not None and cached < cache[0].offset:
+            for c in cache:
+                c.trim(c.offset - cached)
+        left = state.handle.request.max_tokens - state.completion_tokens
+        state.uid = self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
+        self._running[state.uid] = state
 
     def _shares_a_prefill(self, handle: _Handle) -> bool:
         """Whether a running request is still computing (or about to store) at least half of
@@ -802,6 +886,9 @@ class LLMEngine:
         return True
 
     def _insert(self, handle: _Handle) -> None:
+        if handle.resume is not None:
+            self._resume(handle)
+            return
         req = handle.request
         tokens = req.prompt_tokens
         queued, taken = handle.queued, handle.taken or time.perf_counter()  # set by `_admit`
@@ -869,6 +956,8 @@ class LLMEngine:
         else:
             state.uid = self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
         state.pending.prompt_logprobs = prompt_logprobs
+        if self.kv_budget is not None:
+            state.reserved = self.kv_budget.reservation(len(tokens), req.max_tokens)
         self._running[state.uid] = state
         self.prefix_cache.record(len(tokens), cached)
 
@@ -1156,6 +1245,7 @@ class LLMEngine:
         if not is_stop_token:
             state.detokenizer.add_token(r.token)
             ev.token_ids.append(r.token)
+            state.generated.append(r.token)
             if req.logprobs is not None:
                 ev.logprobs.append(_token_logprob(r.logprobs, r.token, req.logprobs))
         if r.finish_reason is not None:

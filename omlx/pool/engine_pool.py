@@ -313,6 +313,10 @@ class EnginePool:
                     "waiting_requests": getattr(engine, "waiting_count", 0) if engine else 0,
                     # CUDA: the idle engine's dummy prompt (graph_warmup.py), {tokens, target, done}
                     "graph_warmup": getattr(engine, "graph_warmup_progress", None) if engine else None,
+                    # KV memory admission (engine/kv_budget.py): the longest sequence memory holds,
+                    # and the sequences paused so far because the running ones outgrew it
+                    "max_sequence_tokens": getattr(engine, "max_sequence_tokens", None) if engine else None,
+                    "paused_for_memory": getattr(engine, "paused_for_memory", 0) if engine else 0,
                 }
             )
         return out

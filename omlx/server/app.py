@@ -45,6 +45,11 @@ log = logging.getLogger("omlx.server")
 def llm_factory(
     settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
 ) -> EngineFactory:
+    try:
+        kv_memory = None if settings.max_kv_memory == "auto" else parse_size(settings.max_kv_memory, total=memory_limit_total())
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for max_kv_memory: {exc}") from None
+
     def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
         return LLMEngine(
             info.id,
@@ -55,6 +60,7 @@ def llm_factory(
             prefix_cache_factory=None if store is None else (lambda loaded: make_prefix_cache(store, loaded)),
             on_finished=on_finished,
             graph_warmup_tokens=settings.graph_warmup_tokens,
+            max_kv_memory=kv_memory,
         )
 
     return make

@@ -72,6 +72,18 @@ def completion_budget(
             param="messages",
             code="context_length_exceeded",
         )
+    held = getattr(engine, "max_sequence_tokens", None)  # what this device's memory can hold
+    if held is not None and held < window:
+        if prompt_len >= held and not (allow_zero and requested == 0):
+            budget = engine.kv_budget
+            raise InvalidRequestError(
+                f"The prompt is {prompt_len} tokens, but this device's memory holds the KV cache of at "
+                f"most {held} tokens of model '{engine.model_id}' ({budget.bytes_per_token} bytes per "
+                "token; see --max-kv-memory). Shorten the prompt.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        window = held
     wanted = default if requested is None else requested
     return max(0 if allow_zero else 1, min(wanted, window - prompt_len))
 
