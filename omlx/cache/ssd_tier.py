@@ -558,6 +558,9 @@ class SSDTier:
         with self._lock:
             if block.key in self._index:
                 return
+        final = self.path_for(block.key)
+        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
+        log.debug("SSD cache: writing block %s as %s", block.key, tmp.name)
         metadata = {
             "format_version": FORMAT_VERSION,
             "key": block.key,
@@ -567,8 +570,6 @@ class SSDTier:
             "layer_types": json.dumps(list(block.layer_types)),
             "checksum": checksum_host(block.host),
         }
-        final = self.path_for(block.key)
-        tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{next(_tmp_counter)}")
         with self._io_lock:
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
@@ -659,6 +660,14 @@ class SSDTier:
             self._scan()
             with self._io_lock:
                 self._evict()  # the budget may have shrunk since the last run
+            with self._lock:
+                blocks, nbytes = len(self._index), self._bytes
+                discarded, stale = self._counters["discarded"], self._counters["stale_tmp_removed"]
+            log.info(
+                "SSD cache: index of %s loaded: %d blocks (%d bytes); %d unreadable files discarded, "
+                "%d stale temp files removed",
+                self._dir, blocks, nbytes, discarded, stale,
+            )  # fmt: skip
         except Exception:  # noqa: BLE001 - a failed scan leaves an empty index, not a crash
             log.exception("SSD cache: index rebuild of %s failed", self._dir)
         finally:
