@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import signal
 import subprocess
 import threading
 import time
@@ -264,40 +266,124 @@ def test_corrupt_and_truncated_block_files_are_discarded_never_served(tiny_model
     assert chain[4].stat().st_size == whole_size
 
 
-def test_sigkill_during_heavy_writing_then_restart_serves_only_whole_blocks(tiny_model_dir, tmp_path):
-    home = tmp_path / "home"
-    server = start(home, tiny_model_dir)
-    prompts = [f"unique system prompt {i} " * 50 for i in range(8)]
+WRITE_STARTED = re.compile(r"SSD cache: writing block ([0-9a-f]{64}) as (\S+)")
+INDEX_LOADED = re.compile(
+    r"SSD cache: index of .* loaded: (\d+) blocks \(\d+ bytes\); (\d+) unreadable files discarded, "
+    r"(\d+) stale temp files removed"
+)
+PROBLEM = re.compile(r"^\S+ \S+ (WARNING|ERROR|CRITICAL) |^ERROR:|Traceback")
+
+
+def _writer_idle(server: ServerProcess) -> dict:
+    """Stats once every stored block has been handed to the SSD writer and written."""
+    for _ in range(400):
+        s = stats(server)
+        if not s["unwritten_blocks"] and not s["ssd"]["queue_depth"] and not s["demoting_bytes"]:
+            return s
+        time.sleep(0.05)
+    raise AssertionError(f"the SSD writer did not catch up: {s}")
+
+
+def _kill_during_a_block_write(server: ServerProcess, log_offset: int, cache: Path) -> tuple[str, Path]:
+    """Follow the server's log from `log_offset` until the writer announces a block (DEBUG
+    `writing block <key> as <temp name>`) and that block's temp file is on disk, not yet
+    renamed; SIGKILL the server right then. Returns the key and temp path seen."""
+    deadline = time.monotonic() + 120
+    seen = ""
+    with open(server.log_path, errors="replace") as log:
+        log.seek(log_offset)
+        while time.monotonic() < deadline:
+            seen += log.read()
+            started = WRITE_STARTED.findall(seen)
+            if started:
+                key, tmp_name = started[-1]
+                tmp = cache / key[:2] / tmp_name
+                if tmp.exists() and not (cache / key[:2] / f"{key}.safetensors").exists():
+                    server.kill()
+                    return key, tmp
+            assert server.proc.poll() is None, server.log()
+            time.sleep(0.0005)
+    raise AssertionError(f"no SSD block write was seen in flight:\n{server.log()}")
+
+
+def test_sigkill_during_a_block_write_then_restart_loads_cleanly_and_serves_the_survivors(tiny_model_dir, tmp_path):
+    """A SIGKILL while the SSD writer has a block's temp file open leaves no torn block: the
+    restart's index load reports 0 discarded files and removes the dead process's temp file,
+    nothing else goes wrong in it, and blocks written before the kill are restored (cached
+    tokens > 0) with greedy output equal to an uncached server's."""
+    home, cache = tmp_path / "home", tmp_path / "home" / "cache"
+    server = start(home, tiny_model_dir, "--log-level", "debug")
+    survivor = "The quick brown fox jumps over the lazy dog. " * 25
+    heavy = [f"unique system prompt {i} " * 50 for i in range(8)]
     try:
-        threads = [threading.Thread(target=lambda p=p: _quiet_ask(server, p)) for p in prompts]
+        first = ask(server, "same question", system=survivor)
+        written = _writer_idle(server)["ssd"]["blocks"]
+        assert written >= first["prompt"] // BLOCK
+        offset = server.log_path.stat().st_size
+        outcomes: list[object] = []
+        threads = [
+            threading.Thread(target=lambda p=p: outcomes.append(_ask_or_error(server, p))) for p in heavy
+        ]
         for t in threads:
             t.start()
+        key, tmp = _kill_during_a_block_write(server, offset, cache)
         for t in threads:
             t.join()
-        server.kill()  # the writer thread is still busy with these blocks
     finally:
         server.stop()
+    assert server.proc.returncode == -signal.SIGKILL
+    # each request was answered or cut off by the kill; none failed before it
+    assert all(isinstance(o, dict | httpx.TransportError) for o in outcomes), outcomes
+    # the block seen being written was never renamed into place: the kill interrupted it
+    assert not (cache / key[:2] / f"{key}.safetensors").exists()
+    left = list(cache.rglob("*.tmp-*"))
+    assert tmp in left
+    whole = list(cache.rglob("*.safetensors"))
+    assert len(whole) >= written
+
+    _make_recompute_look_slow(home)  # so that a GPU restores rather than recomputes
+    offset = server.log_path.stat().st_size
     server = start(home, tiny_model_dir)
     try:
-        results = [ask(server, "same question", system=p) for p in prompts[:3]]
+        ready = stats(server)
+        for _ in range(200):
+            if ready["ssd"]["index_ready"]:
+                break
+            time.sleep(0.05)
+            ready = stats(server)
+        load_log = server.log_path.read_bytes()[offset:].decode(errors="replace")
+        loaded = INDEX_LOADED.findall(load_log)
+        assert len(loaded) == 1, load_log
+        blocks, discarded, stale = map(int, loaded[0])
+        problems = [line for line in load_log.splitlines() if PROBLEM.search(line)]
+        assert problems == [], "\n".join(problems)  # no load-phase error, not even a discard
+        assert (discarded, stale) == (0, len(left))  # temp-then-rename: no torn file, the temp removed
+        assert blocks == len(whole) == ready["ssd"]["blocks"]
+        assert ready["ssd"]["discarded"] == 0 and ready["ssd"]["stale_tmp_removed"] == len(left)
+        assert not list(cache.rglob("*.tmp-*"))
+        again = ask(server, "same question", system=survivor)
+        assert again["cached"] == usable(first["prompt"] - 1) > 0  # restored from the surviving blocks
+        assert again["text"] == first["text"]
+        results = [ask(server, "same question", system=p) for p in heavy[:3]]
         s = stats(server)
-        assert s["ssd"]["index_ready"] in (True, 1)
+        assert s["ssd"]["hits"] > 0 and s["ssd"]["discarded"] == 0
     finally:
         server.stop()
     ref_server = start(tmp_path / "ref", tiny_model_dir, "--no-cache")
     try:
-        for p, got in zip(prompts[:3], results, strict=True):
+        assert ask(ref_server, "same question", system=survivor)["text"] == again["text"]
+        for p, got in zip(heavy[:3], results, strict=True):
             assert ask(ref_server, "same question", system=p)["text"] == got["text"]
     finally:
         ref_server.stop()
-    assert not list((home / "cache").rglob("*.tmp-*"))
 
 
-def _quiet_ask(server: ServerProcess, system: str) -> None:
+def _ask_or_error(server: ServerProcess, system: str) -> dict | Exception:
+    """The answer, or the error that ended the request (a kill's is a transport error)."""
     try:
-        ask(server, "same question", system=system, max_tokens=4)
-    except (AssertionError, httpx.HTTPError):
-        pass
+        return ask(server, "same question", system=system, max_tokens=4)
+    except Exception as exc:  # noqa: BLE001 - the caller asserts on it
+        return exc
 
 
 def test_full_disk_disables_ssd_writes_and_serving_continues(tiny_model_dir, tmp_path):
