@@ -13,6 +13,8 @@ from tests.support.server import ServerProcess
 from tests.support.tiny_model import build_tiny_llama
 
 MODEL = "tiny-llama"
+NO_EOS = "tiny-llama-no-eos"  # never samples its end-of-sequence token: output runs to its budget
+WINDOW = 1024  # NO_EOS's context window: short, so that a prompt fills it in well under a second
 GREEDY = {"temperature": 0}  # current anthropic SDKs no longer take sampling arguments; the API does
 TOOLS = [
     {
@@ -37,6 +39,7 @@ def tiny_server(tmp_path_factory):
     """Agent prompts are large (27 tool schemas): a tiny model with a 16k window."""
     root = tmp_path_factory.mktemp("agent-models")
     build_tiny_llama(root / MODEL, context=16384)
+    build_tiny_llama(root / NO_EOS, context=WINDOW, eos_unreachable=True)  # loaded on first use
     server = ServerProcess(tmp_path_factory.mktemp("agent-home"), ["--model-dir", str(root), "--model", MODEL])
     server.start()
     yield server
@@ -132,11 +135,16 @@ def test_real_client_payload_with_tool_round_trip_is_accepted(claude, tiny_serve
 
 
 def test_max_tokens_32000_is_clamped(claude):
-    msg = claude.messages.with_raw_response.create(
-        model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": "fox " * 8000}],
-        stop_sequences=["e", "a", "o", "i", " "],
-    )
-    assert msg.http_response.status_code == 200
+    """Claude Code's max_tokens 32000, far beyond the model's window, is accepted and clamped
+    to what the window leaves after the prompt: with EOS unreachable, exactly that many
+    tokens come back, ending on max_tokens."""
+    messages = [{"role": "user", "content": "fox " * 960}]
+    prompt = claude.messages.count_tokens(model=NO_EOS, messages=messages).input_tokens
+    assert 0 < WINDOW - prompt <= 100, prompt  # a short run to the window's end
+    msg = claude.messages.create(model=NO_EOS, max_tokens=32000, extra_body=GREEDY, messages=messages)
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == prompt
+    assert msg.stop_reason == "max_tokens"
+    assert msg.usage.output_tokens == WINDOW - prompt
 
 
 def test_count_tokens_matches_message_input(claude):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -58,10 +62,13 @@ def build_tiny_llama(
     model_type: str = "llama",
     extra_config: dict | None = None,
     dtype: str = "float32",
+    eos_unreachable: bool = False,
 ) -> Path:
     """A random-weight model folder that mlx_lm.load() accepts; ~2 MB, loads in ~0.05 s.
     `dtype="bfloat16"` gives the half-precision path (MLX's CUDA prefill attention runs
-    cuDNN only for half-precision inputs)."""
+    cuDNN only for half-precision inputs). `eos_unreachable`: the end-of-sequence token's
+    logit is far below every other token's after any input, so that greedy (or sampled)
+    output only ends at max_tokens or the context window; for APIs without `logit_bias`."""
     import importlib
 
     import mlx.core as mx
@@ -93,9 +100,35 @@ def build_tiny_llama(
     # output, so "same output" assertions in tests can actually fail.
     from mlx.utils import tree_flatten
 
-    model.load_weights([(k, v * 4.0 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())])
+    weights = [(k, v * 4.0 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
+    if eos_unreachable:
+        weights = _eos_unreachable(weights, config["eos_token_id"])
+    model.load_weights(weights)
     model.set_dtype(getattr(mx, dtype))
     mx.eval(model.parameters())
     save_model(out, model)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _eos_unreachable(weights: list[tuple[str, mx.array]], eos: int) -> list[tuple[str, mx.array]]:
+    """Residual dimension 0 carries a constant: every token embeds to +C there, and no layer
+    writes to it (its rows of `o_proj` and `down_proj` are zero), so after the final norm it
+    is positive at every position whose input is not EOS. EOS's (tied) embedding is -M along
+    it alone, so EOS's logit sits (M + C) * C / rms below every other token's; the other
+    tokens all gain the same C * C / rms, which changes none of their order (after an input
+    ending in EOS the sign flips, but no prompt ends there and no output token is EOS)."""
+    import mlx.core as mx
+
+    C, M = 1.0, 1e4
+    out = []
+    for name, w in weights:
+        if name.endswith("embed_tokens.weight"):
+            w = w.at[:, 0].add(C - w[:, 0])
+            w = w.at[eos].multiply(0.0)
+            w = w.at[eos, 0].add(-M)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            w = w.at[0].multiply(0.0)
+        out.append((name, w))
+    mx.eval([w for _, w in out])
     return out
