@@ -283,32 +283,40 @@ async def delete_key(key_id: str, request: Request) -> dict[str, Any]:
 
 
 # ----- model files -------------------------------------------------------------------
-def model_root(path: Path, model_dir: Path) -> Path:
-    """The folder that holds a model's files: its own folder, or its hub-cache repo folder."""
-    path = path.resolve()
-    for parent in (path, *path.parents):
-        if parent.name.startswith("models--") and parent.parent in (model_dir, model_dir / "hub"):
-            return parent
-    return path
-
-
-@router.delete("/models/{model_id:path}/files")
-async def delete_model_files(model_id: str, request: Request) -> dict[str, Any]:
-    pool = request.app.state.pool
-    info = pool.resolve(model_id).info
-    model_dir = Path(request.app.state.settings.model_dir).resolve()
-    root = model_root(info.path, model_dir)
+def deletable_root(info: Any, model_dir: Path, others: list[Any]) -> Path:
+    """The resolved folder a delete of `info` removes: its own folder, strictly inside the model
+    dir and holding no other discovered model; otherwise InvalidRequestError (nothing removed)."""
+    root = Path(info.root).resolve()
     if root == model_dir or model_dir not in root.parents:
         raise InvalidRequestError(
             f"Model '{info.id}' lives at {root}, outside the model dir {model_dir}; delete it by hand.",
             param="model",
         )
+    for other in others:
+        if other.id == info.id:
+            continue
+        held = Path(other.root).resolve()
+        if held == root or root in held.parents:
+            raise InvalidRequestError(
+                f"Model '{info.id}' shares its folder {root} with model '{other.id}'; delete it by hand.",
+                param="model",
+            )
+    return root
+
+
+@router.delete("/models/{model_id:path}/files")
+async def delete_model_files(model_id: str, request: Request) -> dict[str, Any]:
+    """Remove the named model's own folder (a hub-cache model: its `models--org--name` folder)."""
+    pool = request.app.state.pool
+    info = pool.resolve(model_id).info
+    model_dir = Path(request.app.state.settings.model_dir).resolve()
+    root = deletable_root(info, model_dir, list(pool.models().values()))
     if pool.state_of(info.id) == "serving":  # no entry held here: the unload's collection frees it
         raise ConflictError(f"Model '{info.id}' is serving requests; try again when they finish.")
     pool.unload(info.id)
     await asyncio.to_thread(shutil.rmtree, root)
     parent = root.parent
-    if parent != model_dir and parent.parent == model_dir and not any(parent.iterdir()):
+    if not root.name.startswith("models--") and parent.parent == model_dir and not any(parent.iterdir()):
         parent.rmdir()  # an org folder left empty
     pool.refresh()
     log.info("deleted the files of %s (%s)", info.id, root)

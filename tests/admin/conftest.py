@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from tests.admin.fake_hub import FakeHub
 from tests.support.server import ServerProcess
@@ -54,3 +55,29 @@ def login(base_url: str, key: str = API_KEY) -> httpx.Client:
     r = client.post("/api/auth/login", json={"api_key": key})
     assert r.status_code == 200, r.text
     return client
+
+
+def fake_model(path: Path) -> Path:
+    """A folder discovery takes for a chat model (never loaded: the weights are 16 zero bytes)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 4096}))
+    (path / "tokenizer.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"\0" * 16)
+    return path
+
+
+@pytest.fixture()
+def in_process_app(omlx_home: Path, tmp_path: Path):
+    """`create_app` with the API key set, on an empty model dir of its own; no model is loaded
+    and the lifespan does not run. Yields (TestClient, model dir); `.app` is the FastAPI app."""
+    from omlx.server.app import create_app
+    from omlx.settings import load_settings
+
+    models = tmp_path / "models"
+    models.mkdir()
+    settings = load_settings({"model_dir": str(models), "api_key": API_KEY, "no_cache": True})
+    app = create_app(settings)
+    client = TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
+    yield client, models
+    client.close()
+    app.state.pool.shutdown()

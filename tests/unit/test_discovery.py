@@ -60,3 +60,29 @@ def test_model_types_from_config(tmp_path: Path):
 
 def test_missing_model_dir_is_empty(tmp_path: Path):
     assert discover_models(tmp_path / "absent").models == {}
+
+
+def test_a_hub_ref_must_name_a_revision_inside_its_own_snapshots(tmp_path: Path, caplog):
+    make_model(tmp_path / "victim")
+    for name, ref in (("up", "../../victim"), ("sep", "abc/../../../victim"), ("dot", ".."), ("abs", str(tmp_path))):
+        repo = tmp_path / f"models--evil--{name}"
+        make_model(repo / "snapshots" / "abc")
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(ref)
+    linked = tmp_path / "models--evil--linked"
+    (linked / "snapshots").mkdir(parents=True)
+    (linked / "snapshots" / "abc").symlink_to(tmp_path / "victim")
+    with caplog.at_level("WARNING", logger="omlx.models"):
+        found = discover_models(tmp_path)
+    assert set(found.models) == {"victim"}
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert all(f"models--evil--{n}" in warned for n in ("up", "sep", "dot", "abs", "linked"))
+
+
+def test_a_hub_model_s_root_is_its_repo_folder(tmp_path: Path):
+    repo = tmp_path / "hub" / "models--o--m"
+    make_model(repo / "snapshots" / "r1")
+    make_model(tmp_path / "flat")
+    found = discover_models(tmp_path)
+    assert found.models["o/m"].root == repo and found.models["o/m"].path == repo / "snapshots" / "r1"
+    assert found.models["flat"].root == tmp_path / "flat"
