@@ -17,7 +17,9 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import Field, SkipValidation
 
+from omlx.admin.bodies import PassThrough, as_sent, required
 from omlx.engine.request import GenerationRequest, SamplingParams, new_request_id
 from omlx.errors import ConflictError, InvalidRequestError, OMLXError
 from omlx.server.auth import require_admin
@@ -31,6 +33,22 @@ FILLER = (
     "time to first token on small machines. "
 )
 LIMITS = {"prompt_tokens": (1, 131072), "max_tokens": (1, 8192), "concurrency": (1, 64)}
+DEFAULTS = {"prompt_tokens": 512, "max_tokens": 128, "concurrency": 1}
+
+
+def _count(name: str, what: str) -> Any:
+    lo, hi = LIMITS[name]
+    return Field(DEFAULTS[name], ge=lo, le=hi, description=what)
+
+
+class BenchBody(PassThrough):
+    """A benchmark run (checked by `BenchRunner.start`)."""
+
+    model_config = required("model")
+    model: SkipValidation[str] = Field(None, description="The chat model to benchmark")
+    prompt_tokens: SkipValidation[int] = _count("prompt_tokens", "Tokens per prompt")
+    max_tokens: SkipValidation[int] = _count("max_tokens", "Tokens generated per request")
+    concurrency: SkipValidation[int] = _count("concurrency", "Requests run at once")
 
 
 def build_prompts(tokenizer: Any, run_id: str, count: int, length: int) -> list[list[int]]:
@@ -89,7 +107,7 @@ class BenchRunner:
             raise InvalidRequestError(f"Model '{model}' is a {resolved.type} model; benchmarks need a chat model.", param="model")
         params: dict[str, Any] = {"model": model}
         for name, (lo, hi) in LIMITS.items():
-            value = body.get(name, {"prompt_tokens": 512, "max_tokens": 128, "concurrency": 1}[name])
+            value = body.get(name, DEFAULTS[name])
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise InvalidRequestError(f"{name} must be an integer from {lo} to {hi}.", param=name)
             params[name] = value
@@ -198,10 +216,8 @@ async def bench_status(request: Request) -> dict[str, Any]:
 
 
 @router.post("/bench")
-async def bench_start(request: Request) -> dict[str, Any]:
-    from omlx.admin.routes import json_object
-
-    return request.app.state.bench.start(await json_object(request))
+async def bench_start(request: Request, body: BenchBody) -> dict[str, Any]:
+    return request.app.state.bench.start(as_sent(body))
 
 
 @router.post("/bench/cancel")

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import Field, SkipValidation
 
+from omlx.admin.bodies import PassThrough, required
 from omlx.errors import (
     ConflictError,
     InvalidRequestError,
@@ -420,6 +422,14 @@ class DownloadManager:
 router = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])
 
 
+class DownloadBody(PassThrough):
+    """A hub repo to download into the model dir (checked by `DownloadManager.start`)."""
+
+    model_config = required("repo_id")
+    repo_id: SkipValidation[str] = Field(None, description="'org/name' on the hub")
+    revision: SkipValidation[str | None] = Field(None, description="A branch, tag or commit; the default branch if unset")
+
+
 def _manager(request: Request) -> DownloadManager:
     return request.app.state.downloads
 
@@ -446,11 +456,8 @@ async def list_downloads(request: Request) -> dict[str, Any]:
 
 
 @router.post("/downloads")
-async def start_download(request: Request) -> dict[str, Any]:
-    from omlx.admin.routes import json_object
-
-    body = await json_object(request)
-    return _manager(request).start(body.get("repo_id"), body.get("revision")).public()
+async def start_download(request: Request, body: DownloadBody) -> dict[str, Any]:
+    return _manager(request).start(body.repo_id, body.revision).public()
 
 
 @router.post("/downloads/{job_id}/cancel")

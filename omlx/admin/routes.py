@@ -15,6 +15,7 @@ import psutil
 from fastapi import APIRouter, Depends, Request, Response
 
 from omlx import __version__
+from omlx.admin.bodies import KeyBody, LoginBody, SettingsPatch, as_sent
 from omlx.cache.sizes import parse_size
 from omlx.errors import (
     AuthenticationError,
@@ -44,16 +45,6 @@ public = APIRouter(prefix="/api")  # login/logout/session: reachable without cre
 router = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])
 
 
-async def json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise InvalidRequestError("Malformed JSON body.") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("The body must be a JSON object.")
-    return body
-
-
 # ----- login -------------------------------------------------------------------------
 @public.get("/auth/session")
 async def session_state(request: Request) -> dict[str, Any]:
@@ -62,7 +53,7 @@ async def session_state(request: Request) -> dict[str, Any]:
 
 
 @public.post("/auth/login")
-async def login(request: Request, response: Response) -> dict[str, Any]:
+async def login(request: Request, response: Response, body: LoginBody) -> dict[str, Any]:
     check_origin(request)
     expected = request.app.state.settings.api_key
     if not expected:
@@ -72,8 +63,7 @@ async def login(request: Request, response: Response) -> dict[str, Any]:
     wait = throttle.retry_after(client)
     if wait:
         raise OverloadedError(f"Too many failed logins; try again in {wait} s.", retry_after=wait)
-    body = await json_object(request)
-    key = body.get("api_key")
+    key = body.api_key
     if not isinstance(key, str) or not key_matches(key, expected):
         throttle.failed(client)
         log.warning("failed dashboard login from %s", client)
@@ -225,9 +215,9 @@ async def get_settings(request: Request) -> dict[str, Any]:
 
 
 @router.put("/settings")
-async def put_settings(request: Request) -> dict[str, Any]:
+async def put_settings(request: Request, body: SettingsPatch) -> dict[str, Any]:
     """Merge `{name: value}` into settings.json; `null` removes a name (back to its default)."""
-    patch = await json_object(request)
+    patch = as_sent(body)
     if not patch:
         raise InvalidRequestError("Send at least one setting.")
     validated = {name: _validate(name, raw) for name, raw in patch.items()}
@@ -268,9 +258,8 @@ async def list_keys(request: Request) -> dict[str, Any]:
 
 
 @router.post("/keys")
-async def create_key(request: Request) -> dict[str, Any]:
-    body = await json_object(request)
-    record, key = request.app.state.api_keys.create(body.get("name"))
+async def create_key(request: Request, body: KeyBody) -> dict[str, Any]:
+    record, key = request.app.state.api_keys.create(body.name)
     log.info("created sub-key %s (%s)", record["id"], record["name"])
     return {**record, "key": key}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from omlx.admin.routes import json_object
+from omlx.admin.bodies import ModelSettingsPatch, ProfileBody, as_sent
 
 router = APIRouter(prefix="/api")
 
@@ -27,25 +27,25 @@ async def get_model_settings(model_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.put("/models/{model_id:path}/settings")
-async def put_model_settings(model_id: str, request: Request) -> dict[str, Any]:
+async def put_model_settings(model_id: str, request: Request, body: ModelSettingsPatch) -> dict[str, Any]:
     mid = _model_id(request, model_id)
-    patch = await json_object(request)
+    patch = as_sent(body)
     patch.pop("profiles", None)  # profiles have their own routes
     updated = _pool(request).model_settings.update(mid, patch)
     return {"id": mid, "settings": updated.model_dump()}
 
 
 @router.post("/models/{model_id:path}/profiles/{name}")
-async def create_profile(model_id: str, name: str, request: Request) -> dict[str, Any]:
+async def create_profile(model_id: str, name: str, request: Request, body: ProfileBody) -> dict[str, Any]:
     mid = _model_id(request, model_id)
-    updated = _pool(request).model_settings.set_profile(mid, name, await json_object(request), create=True)
+    updated = _pool(request).model_settings.set_profile(mid, name, as_sent(body), create=True)
     return {"id": mid, "profile": name, "settings": updated.profiles[name].model_dump()}
 
 
 @router.put("/models/{model_id:path}/profiles/{name}")
-async def replace_profile(model_id: str, name: str, request: Request) -> dict[str, Any]:
+async def replace_profile(model_id: str, name: str, request: Request, body: ProfileBody) -> dict[str, Any]:
     mid = _model_id(request, model_id)
-    updated = _pool(request).model_settings.set_profile(mid, name, await json_object(request), create=False)
+    updated = _pool(request).model_settings.set_profile(mid, name, as_sent(body), create=False)
     return {"id": mid, "profile": name, "settings": updated.profiles[name].model_dump()}
 
 
