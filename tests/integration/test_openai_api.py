@@ -167,9 +167,49 @@ def test_sampling_parameters_are_accepted(client):
     assert got.usage.completion_tokens == 10
 
 
-def test_logit_bias_forces_a_token(client):
+def test_logit_bias_forces_a_token(client, tiny_model_dir):
+    """logit_bias +100 on one token makes greedy output that token, every step."""
+    from tokenizers import Tokenizer
+
+    piece = Tokenizer.from_file(str(tiny_model_dir / MODEL / "tokenizer.json")).decode([65])
+    assert chat(client, "hello", max_tokens=5).choices[0].message.content != piece * 5
     got = chat(client, "hello", max_tokens=5, logit_bias={"65": 100})
-    assert got.choices[0].message.content == "b" * 5 or len(set(got.choices[0].message.content)) == 1
+    assert got.choices[0].message.content == piece * 5 and got.usage.completion_tokens == 5
+
+
+NO_EOS = {"2": -100}  # every answer runs to max_tokens, so outputs compare at full length
+
+
+def tokens(completion) -> list[str]:
+    return [e.token for e in completion.choices[0].logprobs.content]
+
+
+def test_temperature_with_a_seed_departs_from_greedy_and_top_k_1_is_greedy(client):
+    """Sampling at temperature 1 with a fixed seed gives other tokens than greedy; the same
+    request with top_k=1 leaves one candidate per step, so it is greedy again. (Same seed
+    repeats, other seed differs: test_seed_reproducible_and_n_choices.)"""
+    greedy = chat(client, "tell a story", logit_bias=NO_EOS).choices[0].message.content
+    sampled = chat(client, "tell a story", temperature=1.0, seed=7, logit_bias=NO_EOS)
+    assert sampled.choices[0].message.content != greedy
+    top_1 = chat(client, "tell a story", temperature=1.0, seed=7, logit_bias=NO_EOS, extra_body={"top_k": 1})
+    assert top_1.choices[0].message.content == greedy
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}],
+    ids=["presence", "frequency", "repetition"],
+)
+def test_penalties_move_a_greedy_output_off_its_repeated_token(client, penalty):
+    """This prompt's greedy answer repeats a token at once (the random model's margin there is
+    under 2 logits); each penalty leaves the answer as it was up to that token and then
+    picks another."""
+    greedy = tokens(chat(client, "The quick brown fox", logit_bias=NO_EOS, logprobs=True))
+    repeat = next(i for i in range(1, len(greedy)) if greedy[i] == greedy[i - 1] != "\ufffd")
+    penalised = tokens(chat(client, "The quick brown fox", logit_bias=NO_EOS, logprobs=True, **penalty))
+    assert len(penalised) == len(greedy) == 24
+    assert penalised[:repeat] == greedy[:repeat]
+    assert penalised[repeat] != greedy[repeat]
 
 
 def test_completions_echo_prompt_logprobs_match_reference(client, tiny_model_dir):
