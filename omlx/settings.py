@@ -52,7 +52,8 @@ SETTINGS: tuple[Setting, ...] = (
         "api_key",
         str,
         None,
-        "Require this key (Bearer or x-api-key) on /v1 and /api routes; the /admin dashboard asks for it at login.",
+        "Require this key (Bearer or x-api-key) on every route but /health, / and the dashboard's login; "
+        "the /admin dashboard asks for it at login.",
     ),
     Setting(
         "max_concurrent_requests", int, 8, "Sequences decoded together per model.", minimum=1

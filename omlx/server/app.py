@@ -36,6 +36,7 @@ from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
 from omlx.server.openai_chat import router as openai_chat_router
 from omlx.server.openai_routes import router as openai_router
+from omlx.server.openapi import install_openapi
 from omlx.server.responses_routes import router as responses_router
 from omlx.settings import Settings
 
@@ -94,7 +95,9 @@ def create_app(settings: Settings) -> FastAPI:
         if store is not None:
             store.close()
 
-    app = FastAPI(title="oMLX", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="oMLX", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.settings = settings
     app.state.pool = pool
     app.state.cache = store
@@ -134,4 +137,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
     app.include_router(responses_router, dependencies=[Depends(require_api_key)])
     install_admin(app)
+    install_openapi(app)  # /openapi.json, behind the API key like /v1
     return app
