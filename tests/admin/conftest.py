@@ -75,7 +75,10 @@ def in_process_app(omlx_home: Path, tmp_path: Path):
 
     models = tmp_path / "models"
     models.mkdir()
-    settings = load_settings({"model_dir": str(models), "api_key": API_KEY, "no_cache": True})
+    unreachable_hub = "http://127.0.0.1:9"  # no test here may reach a real hub
+    settings = load_settings(
+        {"model_dir": str(models), "api_key": API_KEY, "no_cache": True, "hf_endpoint": unreachable_hub}
+    )
     app = create_app(settings)
     client = TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
     yield client, models
