@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from omlx.platform_info import discrete_gpu
+from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_llama
 
 MODEL = "tiny-llama"
 
@@ -195,21 +198,41 @@ def test_temperature_with_a_seed_departs_from_greedy_and_top_k_1_is_greedy(clien
     assert top_1.choices[0].message.content == greedy
 
 
+REPEATS = "tiny-llama-repeats"
+
+
+@pytest.fixture(scope="module")
+def repeats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A client of a server on a tiny model left at MLX's default init, whose greedy output
+    repeats one token (on any device: the repeat reinforces itself)."""
+    root = tmp_path_factory.mktemp("repeats-models")
+    build_tiny_llama(root / REPEATS, weight_scale=1.0)
+    server = ServerProcess(tmp_path_factory.mktemp("repeats-home"), ["--model-dir", str(root), "--model", REPEATS])
+    server.start()
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    server.stop()
+
+
 @pytest.mark.parametrize(
     "penalty",
     [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}],
     ids=["presence", "frequency", "repetition"],
 )
-def test_penalties_move_a_greedy_output_off_its_repeated_token(client, penalty):
-    """This prompt's greedy answer repeats a token at once (the random model's margin there is
-    under 2 logits); each penalty leaves the answer as it was up to that token and then
-    picks another."""
-    greedy = tokens(chat(client, "The quick brown fox", logit_bias=NO_EOS, logprobs=True))
-    repeat = next(i for i in range(1, len(greedy)) if greedy[i] == greedy[i - 1] != "\ufffd")
-    penalised = tokens(chat(client, "The quick brown fox", logit_bias=NO_EOS, logprobs=True, **penalty))
-    assert len(penalised) == len(greedy) == 24
-    assert penalised[:repeat] == greedy[:repeat]
-    assert penalised[repeat] != greedy[repeat]
+def test_penalties_break_up_a_greedy_output_that_repeats(repeats, penalty):
+    """Greedy output that repeats one token gets other tokens in when a presence, frequency
+    or repetition penalty is set (on the CPU: 9, 16 and 7 distinct token texts of 24)."""
+
+    def answer(**kw) -> list[str]:
+        got = repeats.chat.completions.create(
+            model=REPEATS, messages=[{"role": "user", "content": "The quick brown fox"}], temperature=0,
+            max_tokens=24, logit_bias=NO_EOS, logprobs=True, **kw,
+        )  # fmt: skip
+        return tokens(got)
+
+    greedy, penalised = answer(), answer(**penalty)
+    assert len(greedy) == len(penalised) == 24
+    assert len(set(greedy)) <= 2  # it repeats
+    assert len(set(penalised)) >= len(set(greedy)) + 3
 
 
 def test_completions_echo_prompt_logprobs_match_reference(client, tiny_model_dir):

@@ -63,12 +63,15 @@ def build_tiny_llama(
     extra_config: dict | None = None,
     dtype: str = "float32",
     eos_unreachable: bool = False,
+    weight_scale: float = 4.0,
 ) -> Path:
     """A random-weight model folder that mlx_lm.load() accepts; ~2 MB, loads in ~0.05 s.
     `dtype="bfloat16"` gives the half-precision path (MLX's CUDA prefill attention runs
     cuDNN only for half-precision inputs). `eos_unreachable`: the end-of-sequence token's
     logit is far below every other token's after any input, so that greedy (or sampled)
-    output only ends at max_tokens or the context window; for APIs without `logit_bias`."""
+    output only ends at max_tokens or the context window; for APIs without `logit_bias`.
+    `weight_scale=1.0` keeps MLX's default init: a model whose greedy output repeats one token
+    (for tests of repetition penalties)."""
     import importlib
 
     import mlx.core as mx
@@ -96,11 +99,11 @@ def build_tiny_llama(
     arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    # Default inits give a model that repeats one token; scaled-up weights give varied
-    # output, so "same output" assertions in tests can actually fail.
+    # Default inits give a model that repeats one token; scaled-up weights (the default 4x)
+    # give varied output, so "same output" assertions in tests can actually fail.
     from mlx.utils import tree_flatten
 
-    weights = [(k, v * 4.0 if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
+    weights = [(k, v * weight_scale if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
     if eos_unreachable:
         weights = _eos_unreachable(weights, config["eos_token_id"])
     model.load_weights(weights)
