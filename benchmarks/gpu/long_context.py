@@ -18,6 +18,7 @@ the 8B's), so each generated token decodes to its own text and outputs compare t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import json
 import os
 import random
@@ -108,6 +109,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="8000,32000,48000,64000,120000")
     ap.add_argument("--tokens", type=int, default=8, help="generated per request")
     ap.add_argument("--peer", action="store_true", help="also time mlx_lm.server")
+    ap.add_argument("--peer-lengths", default=None, help="lengths for mlx_lm.server (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/omlx-long-context"))
     args = ap.parse_args()
     out = Path(args.out)
@@ -119,65 +121,73 @@ def main() -> None:
     flags = ["--compute-dtype", args.dtype, "--max-concurrent-requests", "32", "--log-level", "info"]
     homes = out / "homes"
     shutil.rmtree(homes, ignore_errors=True)  # every run starts cold
-    ours = start(Server("omlx", model_dir.parent, name, homes / "cache", flags))
-    plain = start(Server("omlx --no-cache", model_dir.parent, name, homes / "nocache", [*flags, "--no-cache"]))
-    peer = start(PeerServer("mlx_lm.server", model_dir.parent, name, homes / "peer", [])) if args.peer else None
-
-    def save(*_: Any) -> None:
-        (out / f"long-context-{args.dtype}.json").write_text(json.dumps(results, indent=1))
-        if _:
-            for s in (ours, plain, peer):
-                if s is not None:
-                    s.stop()
-            sys.exit(1)
-
-    signal.signal(signal.SIGTERM, save)
-    lengths = [int(x) for x in args.lengths.split(",")]
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    earlier: list[int] | None = None
+    lengths = [int(x) for x in args.lengths.split(",")]
+    peer_lengths = [int(x) for x in (args.peer_lengths or args.lengths).split(",")] if args.peer else []
+    requests: list[tuple[int, str, list[int]]] = []
     for i, n in enumerate(lengths):
         base = prompt(n, 1000 + i)
-        rows = {"cold": base, "hit+16": base + prompt(SUFFIX_SHORT, 2000 + i),
-                "hit+2000": base + prompt(SUFFIX_LONG, 3000 + i)}
-        for label, tokens in rows.items():
-            got = ask(ours.url, tokens, args.tokens, name)
-            ref = ask(plain.url, tokens, args.tokens, name)
-            row = {"length": n, "row": label, "prompt": len(tokens), "ttft": got.get("ttft"),
-                   "cached": got.get("cached"), "ttft_nocache": ref.get("ttft"), **compare(got, ref),
-                   "alive": healthy(ours)}
-            if peer is not None and label != "hit+2000":
-                answer = ask(peer.url, tokenizer.decode(tokens), args.tokens, str(model_dir))
-                row["ttft_peer"], row["peer_error"] = answer.get("ttft"), answer.get("error")
-            results["rows"].append(row)
-            log(json.dumps(row))
-            if not row["alive"]:
-                log(f"omlx died:\n{ours.log_tail()}")
-                ours.stop()
-                ours = start(ours)
-        if earlier is not None:  # two sessions at different depths at once
-            import concurrent.futures as cf
-
-            pair = [base + prompt(SUFFIX_SHORT, 4000 + i), earlier + prompt(SUFFIX_SHORT, 5000 + i)]
-            with cf.ThreadPoolExecutor(2) as pool:
-                both = list(pool.map(ask, [ours.url] * 2, pair, [args.tokens] * 2, [name] * 2))
-            row = {"length": n, "row": "pair", "ttfts": [b.get("ttft") for b in both],
-                   "cached": [b.get("cached") for b in both], "errors": [b.get("error") for b in both],
-                   "alive": healthy(ours)}
-            results["rows"].append(row)
-            log(json.dumps(row))
-        earlier = base
+        requests += [(n, "cold", base), (n, "hit+16", base + prompt(SUFFIX_SHORT, 2000 + i)),
+                     (n, "hit+2000", base + prompt(SUFFIX_LONG, 3000 + i))]
+    save = lambda: (out / f"long-context-{args.dtype}.json").write_text(json.dumps(results, indent=1))  # noqa: E731
+    signal.signal(signal.SIGTERM, lambda *_: (save(), sys.exit(1)))
+    # each server alone on the GPU, one after the other: the same requests, compared afterwards
+    answers: dict[str, dict[tuple[int, str], dict[str, Any]]] = {"omlx": {}, "nocache": {}, "peer": {}}
+    phases = [("omlx", Server("omlx", model_dir.parent, name, homes / "cache", flags)),
+              ("nocache", Server("omlx --no-cache", model_dir.parent, name, homes / "nocache", [*flags, "--no-cache"]))]
+    if peer_lengths:
+        phases.append(("peer", PeerServer("mlx_lm.server", model_dir.parent, name, homes / "peer", [])))
+    for label, server in phases:
+        start(server)
+        bases: list[list[int]] = []  # the cold prompts so far: a pair hits this one and the one before
+        for n, row, tokens in requests:
+            if label == "peer" and (n not in peer_lengths or row == "hit+2000"):
+                continue
+            got = ask(server.url, tokenizer.decode(tokens) if label == "peer" else tokens, args.tokens,
+                      str(model_dir) if label == "peer" else name)
+            got["alive"] = healthy(server) if label != "peer" else True
+            answers[label][(n, row)] = got
+            log(f"{label} {n} {row}: ttft={got.get('ttft')} cached={got.get('cached')} error={got.get('error')}")
+            if not got["alive"]:
+                results.setdefault("deaths", []).append({"server": label, "length": n, "row": row,
+                                                         "log": server.log_tail()[-3000:]})
+                server.stop()
+                start(server)
+            if row == "cold":
+                bases.append(tokens)
+            if label == "omlx" and row == "hit+2000" and len(bases) > 1:  # two sessions at once
+                pair = [bases[-1] + prompt(SUFFIX_SHORT, 4000 + n), bases[-2] + prompt(SUFFIX_SHORT, 5000 + n)]
+                with cf.ThreadPoolExecutor(2) as pool:
+                    both = list(pool.map(ask, [server.url] * 2, pair, [args.tokens] * 2, [name] * 2))
+                answers[label][(n, "pair")] = {"ttfts": [b.get("ttft") for b in both],
+                                               "cached": [b.get("cached") for b in both],
+                                               "errors": [b.get("error") for b in both], "alive": healthy(server)}
+                log(f"pair {n}: {answers[label][(n, 'pair')]}")
+        server.stop()
+        (out / f"server-{label}.log").write_text(server.log_tail())
+        results["rows"] = rows_of(answers)
         save()
-    for s in (ours, plain, peer):
-        if s is not None:
-            s.stop()
-    for s, label in ((ours, "cache"), (plain, "nocache")):
-        (out / f"server-{label}.log").write_text(s.log_tail())
-    save()
     for row in results["rows"]:
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
 
+
+def rows_of(answers: dict[str, dict[tuple[int, str], dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for (n, label), got in answers["omlx"].items():
+        if label == "pair":
+            rows.append({"length": n, "row": label, **got})
+            continue
+        ref = answers["nocache"].get((n, label))
+        peer = answers["peer"].get((n, label), {})
+        row = {"length": n, "row": label, "ttft": got.get("ttft"), "cached": got.get("cached"),
+               "alive": got.get("alive"), "error": got.get("error"),
+               "ttft_nocache": ref.get("ttft") if ref else None, "ttft_peer": peer.get("ttft")}
+        if ref:
+            row.update(compare(got, ref))
+        rows.append(row)
+    return rows
 
 if __name__ == "__main__":
     main()

@@ -19,10 +19,13 @@ from omlx.cache.block import CacheBlock
 # keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
 # keep a tensor per layer and kind ("0.keys", "0.values" ...), as blocks written before did.
 KV_STACK = "kv"
-# The most elements one joined array may hold. MLX 0.32's CUDA backend indexes a view with 32-bit
-# offsets: a restore of 47,872 tokens of an 8B model joined into one (64, 8, 47872, 128) array
-# (3.1e9 elements) met an illegal memory access and lost the device (tests/gpu/
-# test_large_array_views.py; docs/design/long-context.md).
+# The most bytes one joined array of a restore may hold: each is kept until the last of its
+# layers has grown out of it in the first chunk, so a restore needs up to this much memory on top
+# of the restored cache (one array of all layers made that twice the restored bytes: 12.6 GB for
+# 47,872 tokens of an 8B model, which ran the device out of memory; docs/design/long-context.md).
+JOIN_GROUP_BYTES = 1 << 30
+# and the most elements (views past 2**31 elements are read correctly by MLX 0.32's CUDA
+# kernels, tests/gpu/test_large_array_views.py, but nothing needs them)
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # On a GPU a store stacks at most this many bytes of adjacent blocks at once (transient memory)
 STACK_GROUP_BYTES = 256 << 20
@@ -83,14 +86,14 @@ def join_blocks(
     tokens. Blocks that stack every layer (`KV_STACK`) are joined with one copy each per group
     of layers, and each layer's keys and values are views of its group's array: joined per
     layer, 125 blocks of a 1B Llama took 14.5 ms on an H200 (4,000 copies) against 2.3 ms,
-    and 44 ms at 8B. A group holds at most `max_elements` (`MAX_ARRAY_ELEMENTS`: MLX's CUDA
-    kernels index views with 32-bit offsets). The joined arrays live until the last layer's
-    cache has grown out of them (the next chunk): up to twice the restored bytes meanwhile."""
+    and 44 ms at 8B. A group holds at most `JOIN_GROUP_BYTES` and `max_elements`; it lives
+    until its last layer's cache has grown out of it (the next chunk)."""
     if all(KV_STACK in block.tensors for block, _ in parts):
         stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
         rows, heads, _, dim = stacks[0].shape
         per_layer = 2 * heads * dim * sum(s.shape[2] for s in stacks)
-        group = max(1, min(num_layers, max_elements // per_layer))  # layers per joined array
+        by_bytes = JOIN_GROUP_BYTES // max(1, per_layer * stacks[0].dtype.size)
+        group = max(1, min(num_layers, max_elements // per_layer, by_bytes))  # layers per joined array
         caches = []
         for first in range(0, num_layers, group):
             lo, hi = 2 * first, 2 * min(num_layers, first + group)
