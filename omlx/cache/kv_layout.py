@@ -21,11 +21,12 @@ from omlx.cache.block import CacheBlock
 KV_STACK = "kv"
 # The most bytes one joined array of a restore may hold: each is kept until the last of its
 # layers has grown out of it in the first chunk, so a restore needs up to this much memory on top
-# of the restored cache (one array of all layers made that twice the restored bytes: 12.6 GB for
-# 47,872 tokens of an 8B model, which ran the device out of memory; docs/design/long-context.md).
+# of the restored cache. One array of all layers needed twice the restored bytes (12.6 GB for
+# 47,872 tokens of an 8B model) and, with other models' processes on the GPU, ran it out of
+# memory, which MLX's CUDA backend turned into a lost context (docs/design/long-context.md).
 JOIN_GROUP_BYTES = 1 << 30
-# and the most elements (views past 2**31 elements are read correctly by MLX 0.32's CUDA
-# kernels, tests/gpu/test_large_array_views.py, but nothing needs them)
+# and the most elements (MLX 0.32 reads views past 2**31 elements correctly,
+# tests/gpu/test_large_array_views.py; kept below it all the same)
 MAX_ARRAY_ELEMENTS = 2**31 - 1
 # On a GPU a store stacks at most this many bytes of adjacent blocks at once (transient memory)
 STACK_GROUP_BYTES = 256 << 20

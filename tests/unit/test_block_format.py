@@ -18,6 +18,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import omlx.cache.prefix_cache as prefix_cache
+from omlx.cache import kv_layout
 from omlx.cache.block import packed_on_host, staged_on_host
 from omlx.cache.block_hash import block_keys
 from omlx.cache.hot_tier import HotTier
@@ -268,8 +269,8 @@ def test_a_cpu_store_makes_each_block_with_one_copy(monkeypatch: pytest.MonkeyPa
 def test_a_restore_too_large_for_one_array_joins_its_layers_in_groups(
     layers_per_array: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # MLX's CUDA kernels index views with 32-bit offsets: no joined array may hold more than
-    # MAX_ARRAY_ELEMENTS (a 47,872-token restore of an 8B model in one array lost the GPU)
+    # a joined array lives until its last layer has grown out of it: a restore joins in groups
+    # (one array of all 32 layers of a 47,872-token 8B restore ran the GPU out of memory)
     cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
     original = kv(len(tokens))
     cache.store(tokens, original, final=True)
@@ -278,4 +279,17 @@ def test_a_restore_too_large_for_one_array_joins_its_layers_in_groups(
     joins = counted_joins(monkeypatch)
     restored = join_blocks(parts, LAYERS, max_elements=layers_per_array * per_layer)
     assert joins == [3] * -(-LAYERS // layers_per_array)  # one join of the 3 blocks per group
+    assert_restores(restored, original, 3 * B)
+
+
+def test_a_restore_joins_groups_of_at_most_join_group_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
+    original = kv(len(tokens))
+    cache.store(tokens, original, final=True)
+    parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)]
+    layer_bytes = 2 * 2 * 8 * 3 * B * 4  # keys and values of one float32 layer, all three blocks
+    monkeypatch.setattr(kv_layout, "JOIN_GROUP_BYTES", 2 * layer_bytes)
+    joins = counted_joins(monkeypatch)
+    restored = join_blocks(parts, LAYERS)
+    assert joins == [3, 3]  # layers 0-1, then 2
     assert_restores(restored, original, 3 * B)
