@@ -119,27 +119,40 @@ def log(msg: str) -> None:
 
 
 # ----------------------------------------------------------------------------- models
-def build_model(models_root: Path, shape: str) -> Path:
-    """A random-weight bf16 model folder that `mlx_lm.load` and `omlx serve` accept."""
+def build_model(
+    models_root: Path,
+    shape: str,
+    *,
+    name: str | None = None,
+    window: int | None = None,
+    tokenizer: Any = None,
+) -> Path:
+    """A random-weight bf16 model folder that `mlx_lm.load` and `omlx serve` accept.
+
+    `name` (default: the shape's) is the folder; `window` replaces the shape's
+    `max_position_embeddings` (the context window oMLX serves); `tokenizer(out)` writes the
+    tokenizer files instead of the 512-token BPE (long_context.py's has a word per model id)."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.utils import save_model
 
     from tests.support.tiny_model import build_tokenizer
 
-    out = models_root / shape
+    out = models_root / (name or shape)
     if (out / "config.json").exists():
         return out
     tic = PERF()
+    shape_config = {**SHAPES[shape], **({"max_position_embeddings": window} if window else {})}
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)  # 512-token BPE; ids past it detokenize to "!" (mlx-lm's fallback)
+    # default: 512-token BPE; ids past it detokenize to "!" (mlx-lm's fallback)
+    (tokenizer or build_tokenizer)(out)
     tc = json.loads((out / "tokenizer_config.json").read_text())
-    tc["model_max_length"] = SHAPES[shape]["max_position_embeddings"]
+    tc["model_max_length"] = shape_config["max_position_embeddings"]
     (out / "tokenizer_config.json").write_text(json.dumps(tc))
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        **SHAPES[shape],
+        **shape_config,
         "eos_token_id": 2,
         "bos_token_id": None,
         "torch_dtype": "bfloat16",
@@ -153,7 +166,7 @@ def build_model(models_root: Path, shape: str) -> Path:
     del model
     mx.clear_cache()
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    log(f"built {shape}: {size / 1e9:.2f} GB of bf16 weights in {PERF() - tic:.1f} s")
+    log(f"built {out.name}: {size / 1e9:.2f} GB of bf16 weights in {PERF() - tic:.1f} s")
     return out
 
 

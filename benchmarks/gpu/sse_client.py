@@ -39,6 +39,8 @@ def _stream_once(
     client: httpx.Client, base_url: str, body: dict[str, Any], timeout: float, sent: float
 ) -> dict[str, Any]:
     times: list[float] = []
+    lp_tokens: list[str] = []  # with `logprobs` in the body: each token's text and top logprobs
+    lp_tops: list[Any] = []
     usage: dict[str, Any] | None = None
     finish = None
     end = None  # arrival of the chunk with the finish reason: the last token's
@@ -70,6 +72,9 @@ def _stream_once(
             for ch in obj.get("choices", ()):
                 if ch.get("text"):
                     times.append(time.perf_counter())
+                if ch.get("logprobs"):
+                    lp_tokens += ch["logprobs"].get("tokens") or []
+                    lp_tops += ch["logprobs"].get("top_logprobs") or []
                 if ch.get("finish_reason"):
                     finish = ch["finish_reason"]
                     end = time.perf_counter()
@@ -86,6 +91,8 @@ def _stream_once(
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         "finish_reason": finish,
+        "logprob_tokens": lp_tokens,
+        "top_logprobs": lp_tops,
     }
 
 
