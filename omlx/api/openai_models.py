@@ -10,18 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from omlx.api.wire import (
-    Lenient,
-    LogitBias,
-    MinP,
-    Penalty,
-    RepetitionPenalty,
-    Seed,
-    StopField,
-    Temperature,
-    TopK,
-    TopP,
-)
+from omlx.api.wire import Lenient, LogitBias, SamplingValues, Seed, StopField
 
 
 class StreamOptions(Lenient):
@@ -37,16 +26,9 @@ class ChatMessage(Lenient):
     reasoning_content: str | None = None
 
 
-class SamplingFields(Lenient):
+class SamplingFields(SamplingValues):
     model: str
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: Temperature = None
-    top_p: TopP = None
-    top_k: TopK = None
-    min_p: MinP = None
-    repetition_penalty: RepetitionPenalty = None
-    presence_penalty: Penalty = None
-    frequency_penalty: Penalty = None
     seed: Seed = None
     stop: StopField = None
     n: int = Field(default=1, ge=1, le=16)

@@ -73,3 +73,15 @@ def token_id_bias(value: dict[str, float] | None) -> dict[str, float] | None:
 
 
 LogitBias = Annotated[dict[str, float] | None, AfterValidator(token_id_bias)]
+
+
+class SamplingValues(Lenient):
+    """The sampling fields every dialect and every model setting bounds alike."""
+
+    temperature: Temperature = None
+    top_p: TopP = None
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None

@@ -13,24 +13,17 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
-from omlx.api.wire import MinP, Penalty, RepetitionPenalty, Temperature, TopK, TopP
+from omlx.api.wire import SamplingValues
 from omlx.errors import InvalidRequestError, NotFoundError
 
 
-class GenerationDefaults(BaseModel):
+class GenerationDefaults(SamplingValues):
     """What a model or profile may preset; None means "not set here"."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    temperature: Temperature = None
-    top_p: TopP = None
-    top_k: TopK = None
-    min_p: MinP = None
-    repetition_penalty: RepetitionPenalty = None
-    presence_penalty: Penalty = None
-    frequency_penalty: Penalty = None
     max_tokens: int | None = Field(default=None, ge=1)
     context_length: int | None = Field(default=None, ge=16, description="Cap on the context window")
     chat_template_kwargs: dict[str, Any] | None = None

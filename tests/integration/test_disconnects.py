@@ -25,7 +25,7 @@ from tests.support.tiny_model import build_tiny_llama
 
 MODEL = "tiny-long"
 LONG = 6000  # prompt tokens: several seconds of prefill for this model on a 2-core CPU
-CANCEL_S = 1.5  # a cancel waits for at most the chunk in flight (~0.5 s, prefill_pacing.py)
+CANCEL_S = 1.5  # a cancel waits for the chunk in flight (~0.4 s, prefill_pacing.py) and the status poll
 
 
 @pytest.fixture(scope="module")
