@@ -96,13 +96,16 @@ class HotTier:
         """Whether a block of `nbytes` could be kept here at all (enabled, and within budget)."""
         return 0 < self._max_bytes and nbytes <= self._max_bytes
 
-    def put(self, block: CacheBlock) -> bool:
+    def put(self, block: CacheBlock, keep: frozenset[str] | set[str] = frozenset()) -> bool:
         """Store ``block``, evicting least recently used blocks to fit (they go to
-        ``on_evict``, the next tier, if any).
+        ``on_evict``, the next tier, if any), but none of ``keep``.
 
-        Returns False (and stores nothing here) when the tier is disabled or the block alone
-        is larger than the whole budget; such a block goes straight to ``on_evict``. Putting a
-        key already present only refreshes it.
+        Returns False (and stores nothing here) when the tier is disabled, the block alone
+        is larger than the whole budget, or only ``keep`` is left to evict; such a block goes
+        straight to ``on_evict``. Putting a key already present only refreshes it. A chain
+        put root first with its own keys in ``keep`` thus keeps its first blocks and sends
+        the deepest down, as a prefix tree evicts leaves: a chain without its root serves no
+        lookup.
         """
         size = block.nbytes
         evicted = []
@@ -114,17 +117,32 @@ class HotTier:
                 self._blocks.move_to_end(block.key)
                 return True
             else:
-                stored = True
-                while self._blocks and self._bytes + size > self._max_bytes:
-                    old_key, old = self._blocks.popitem(last=False)
-                    self._bytes -= self._sizes.pop(old_key)
-                    self._evictions += 1
-                    evicted.append(old)
-                self._blocks[block.key] = block
-                self._sizes[block.key] = size
-                self._bytes += size
+                victims = self._victims(size, keep)
+                stored = victims is not None
+                if victims is None:
+                    evicted.append(block)
+                else:
+                    for old_key in victims:
+                        self._evictions += 1
+                        evicted.append(self._pop(old_key))
+                    self._blocks[block.key] = block
+                    self._sizes[block.key] = size
+                    self._bytes += size
         self._hand_over(evicted)
         return stored
+
+    def _victims(self, size: int, keep: frozenset[str] | set[str]) -> list[str] | None:
+        """Least recently used keys outside ``keep`` whose eviction makes room for ``size``
+        bytes, or None when that is not possible (caller holds the lock)."""
+        need = self._bytes + size - self._max_bytes
+        victims: list[str] = []
+        for key in self._blocks:
+            if need <= 0:
+                break
+            if key not in keep:
+                victims.append(key)
+                need -= self._sizes[key]
+        return victims if need <= 0 else None
 
     def _hand_over(self, evicted: list[Any]) -> None:
         if self.on_evict is not None:

@@ -113,6 +113,7 @@ class Prefetch:
     moving_s: float = 0.0
     moved_bytes: int = 0
     loops: int = 0
+    chain: frozenset[str] = frozenset()  # the prompt's block keys: promotions evict none of them
 
     @property
     def needs_engine(self) -> bool:
@@ -264,6 +265,7 @@ class PrefixCache(PrefixCacheHooks):
     def _lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         limit = len(tokens) - 1  # at least one token must be computed to get logits
         keys = self._prompt_keys(tokens)
+        chain = frozenset(keys)  # what comes back to the hot tier pushes out none of its own chain
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         self._drop_unwritten_if_cleared()
         blocks: list[CacheBlock] = []
@@ -275,7 +277,7 @@ class PrefixCache(PrefixCacheHooks):
                 block = self._on_device(key)
                 if block is None:
                     break
-                hot.put(block)
+                hot.put(block, keep=chain)
             blocks.append(block)
         restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
         skipped = False  # a slower tier held more, and recomputing it was judged faster
@@ -286,12 +288,12 @@ class PrefixCache(PrefixCacheHooks):
             move = hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
             got, skipped = self._restore_run(
                 run, len(blocks) * self.B, lambda part: (self._from_warm(key, move) for key in part),
-                self.warm_rate if move else self.warm_copy_rate, restored,
+                self.warm_rate if move else self.warm_copy_rate, restored, chain,
             )  # fmt: skip
             blocks += got
         if ssd is not None and not skipped:
             run = self._run_in(keys, len(blocks), limit, lambda k: k in self._staged or ssd.contains(k, self.fp))
-            got, skipped = self._restore_run(run, len(blocks) * self.B, self._from_ssd, self.ssd_rate, restored)
+            got, skipped = self._restore_run(run, len(blocks) * self.B, self._from_ssd, self.ssd_rate, restored, chain)
             blocks += got
         if self._staged_read_s:  # the reads ahead of what was used count into the SSD's restore time
             restored[:] = [
@@ -307,7 +309,7 @@ class PrefixCache(PrefixCacheHooks):
         # than a block): the engine would drop it after its fetch, stalling every stream
         reach = self.grid - n % self.grid if self.grid else 1
         if limit - n >= reach and reach < self.B:  # else none is fetched, from any tier
-            tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:], hot_only=skipped)
+            tail, usable = self._find_tail(keys[len(blocks) - 1] if blocks else None, tokens[n:], skipped, chain)
         if tail is not None:
             # an exact repeat finds the whole prompt's tail: use all but the last token
             use = min(usable, limit - n)
@@ -340,6 +342,7 @@ class PrefixCache(PrefixCacheHooks):
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         rate: Throughput,
         restored: list[tuple[Throughput, int, float]],
+        chain: frozenset[str] = frozenset(),
     ) -> tuple[list[CacheBlock], bool]:
         """`run` (the keys a lower tier holds, from where device memory's end: `depth` tokens
         in), restored (and promoted to hot) when that beats recomputing them there, and whether
@@ -359,7 +362,7 @@ class PrefixCache(PrefixCacheHooks):
             seconds, group, gone = 0.0, 1, False
             while len(got) < probe:
                 tic = time.perf_counter()
-                more, _ = self._fetch(run[len(got) : len(got) + group], fetch)
+                more, _ = self._fetch(run[len(got) : len(got) + group], fetch, chain)
                 _use_on_device(more)  # measured to the end
                 seconds += time.perf_counter() - tic
                 got += more
@@ -382,7 +385,7 @@ class PrefixCache(PrefixCacheHooks):
                 self.tiers.counters.skipped_restores += 1
             return got, True
         if run:
-            more, seconds = self._fetch(run, fetch)
+            more, seconds = self._fetch(run, fetch, chain)
             if more:
                 restored.append((rate, sum(b.nbytes for b in more), seconds))
             got += more
@@ -399,10 +402,14 @@ class PrefixCache(PrefixCacheHooks):
         return run
 
     def _fetch(
-        self, run: list[str], fetch: Callable[[list[str]], Iterable[CacheBlock | None]]
+        self,
+        run: list[str],
+        fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
+        chain: frozenset[str] = frozenset(),
     ) -> tuple[list[CacheBlock], float]:
         """Restore `run` (up to the first block that has gone) and promote it to hot; the
-        seconds include the promotion, which may push other blocks down a tier."""
+        seconds include the promotion, which may push other blocks down a tier (none of
+        `chain`'s)."""
         tic = time.perf_counter()
         got = []
         for block in fetch(run):
@@ -415,7 +422,7 @@ class PrefixCache(PrefixCacheHooks):
                 self.bytes_per_token = got[0].nbytes // max(1, got[0].token_count)
             self.tiers.moved_in(sum(b.nbytes for b in got))
             for block in got:
-                self.tiers.hot.put(block)
+                self.tiers.hot.put(block, keep=chain)
         return got, time.perf_counter() - tic
 
     def _from_ssd(self, run: list[str]) -> Iterable[CacheBlock | None]:
@@ -484,7 +491,7 @@ class PrefixCache(PrefixCacheHooks):
             return None
         _log_judgement(ram_why if ram_run else None)
         _log_judgement(ssd_why if run else None)
-        pending = Prefetch(run, futures, ram_run)
+        pending = Prefetch(run, futures, ram_run, chain=frozenset(keys))
         left = [len(futures)]
         lock = threading.Lock()
 
@@ -531,7 +538,7 @@ class PrefixCache(PrefixCacheHooks):
                 mx.eval([t.sum() for b in moved for t in b.tensors.values()])
                 self.tiers.moved_in(size)
                 for block in moved:
-                    hot.put(block)
+                    hot.put(block, keep=prefetched.chain)
                 toc = time.perf_counter()
                 self.warm_rate.observe(size, toc - tic)
                 self._save_costs()
@@ -601,7 +608,9 @@ class PrefixCache(PrefixCacheHooks):
             "restore" if pays else "recompute", c, a, b,
         )  # fmt: skip
 
-    def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
+    def _find_tail(
+        self, parent: str | None, rest: list[int], hot_only: bool = False, chain: frozenset[str] = frozenset()
+    ) -> tuple[CacheBlock | None, int]:
         """The stored block after `parent` sharing the longest token prefix with `rest`.
 
         Exact partial blocks are found by key (this also works after a restart); blocks
@@ -612,7 +621,7 @@ class PrefixCache(PrefixCacheHooks):
         best: tuple[CacheBlock | None, int] = (None, 0)
         keys = tail_keys(self.fp, parent, rest[: self.B - 1])
         for length in range(len(keys), 0, -1):
-            block = self._get(keys[length - 1], hot_only)
+            block = self._get(keys[length - 1], hot_only, chain)
             if block is not None:
                 best = (block, length)
                 break
@@ -623,14 +632,14 @@ class PrefixCache(PrefixCacheHooks):
         for shared, key in candidates:
             if shared <= best[1]:
                 break
-            block = self._get(key, hot_only)
+            block = self._get(key, hot_only, chain)
             if block is not None:
                 return block, shared
         return best
 
-    def _get(self, key: str, hot_only: bool = False) -> CacheBlock | None:
+    def _get(self, key: str, hot_only: bool = False, chain: frozenset[str] = frozenset()) -> CacheBlock | None:
         """A block from device memory, else (unless `hot_only`) RAM or the SSD, promoted to
-        hot; None if in none."""
+        hot without pushing out `chain`'s blocks; None if in none."""
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         if hot.contains(key):
             block = hot.get(key)
@@ -638,7 +647,7 @@ class PrefixCache(PrefixCacheHooks):
                 return block
         block = self._on_device(key)  # device memory still, though the hot tier let it go
         if block is not None:
-            hot.put(block)
+            hot.put(block, keep=chain)
             return block
         if hot_only:
             return None
@@ -652,7 +661,7 @@ class PrefixCache(PrefixCacheHooks):
             # may be the next to touch it (`CacheStore._left_device`)
             mx.eval(list(block.tensors.values()))
             self.tiers.moved_in(block.nbytes)
-            hot.put(block)
+            hot.put(block, keep=chain)
         return block
 
     def _remember_child(self, parent: str | None, key: str, tokens: list[int]) -> None:
@@ -686,7 +695,7 @@ class PrefixCache(PrefixCacheHooks):
             return (
                 self._in_device_memory(key)
                 or (ram_is_enough and warm.contains(key))
-                or (ssd is not None and ssd.contains(key, self.fp))
+                or (ssd is not None and (ssd.writing(key) or ssd.contains(key, self.fp)))
             )
 
         if start and keys and not known(keys[0]):  # cleared, or let go meanwhile: the rest would hang off nothing
@@ -721,11 +730,12 @@ class PrefixCache(PrefixCacheHooks):
                     self._unwritten[block.key] = block
                     self._unwritten_bytes += block.nbytes
                 self._count_unwritten()
-        # after: one the hot tier cannot keep goes to the SSD writer at once; deepest first, so
-        # a chain longer than the hot tier keeps its first blocks (`_refresh_chain`)
+        # after: one the hot tier cannot keep goes to the SSD writer at once. Deepest first, each
+        # pushing out none of its own ancestors (as a prefix tree evicts leaves): a chain longer
+        # than the hot tier keeps its first blocks and lets the deepest go first
         self.tiers.moved_in(sum(block.nbytes for block in blocks))
-        for block in reversed(blocks):
-            hot.put(block)
+        for (_, _, a, _), block in reversed(list(zip(new, blocks, strict=True))):
+            hot.put(block, keep=frozenset(chain[: a // self.B]))
         self._refresh_chain(chain)
         if not self.bytes_per_token and blocks:
             self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)

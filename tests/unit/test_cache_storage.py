@@ -416,6 +416,21 @@ def test_hot_tier_lru_and_budget() -> None:
     assert hot.stats()["bytes"] == 3 * size
 
 
+def test_hot_tier_put_evicts_none_of_keep() -> None:
+    blocks = [make_block(i) for i in range(5)]
+    size = blocks[0].nbytes
+    hot = HotTier(3 * size)
+    for b in blocks[:3]:
+        assert hot.put(b)
+    chain = {b.key for b in blocks[1:4]}
+    assert hot.put(blocks[3], keep=chain)  # evicts 0, the only block outside the chain
+    assert [hot.contains(b.key) for b in blocks[:4]] == [False, True, True, True]
+    assert not hot.put(blocks[4], keep=chain | {blocks[4].key})  # only the chain is left: 4 goes down
+    assert not hot.contains(blocks[4].key) and hot.stats()["bytes"] == 3 * size
+    assert hot.put(blocks[4])  # without keep: the least recently used (1) goes
+    assert not hot.contains(blocks[1].key)
+
+
 def test_hot_tier_oversize_disabled_fingerprint_clear() -> None:
     big = make_block(0, tokens=64)
     hot = HotTier(big.nbytes - 1)

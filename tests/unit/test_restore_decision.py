@@ -1576,3 +1576,30 @@ def test_an_idle_engine_fits_the_prefill_model_before_the_next_decision(tmp_path
     cache.observe_prefill(500, 0, 0.25)  # ...and its prefill
     assert len(fits) == 1
     cache.tiers.ssd.close()
+
+
+def test_a_prompt_longer_than_the_hot_tier_keeps_its_first_blocks_there(tmp_path: Path) -> None:
+    """A prompt stored as its prefill goes (two pieces), then again with its answer, holds
+    four times what the hot tier does: the hot tier keeps the chain's first blocks (a chain
+    without its root serves no lookup) and sends the deepest to the SSD, so the next lookup
+    finds the hot run at once and, once the SSD has written the rest, the whole prompt."""
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    block_bytes = LAYERS * 2 * 2 * B * 8 * 4  # kv(): float32 (1, 2, T, 8) keys and values per layer
+    cache = PrefixCache(CacheStore(HotTier(8 * block_bytes), ssd, B), FP, LAYERS, "m")
+    tokens = list(range(1, 32 * B + 1))
+    whole = kv(len(tokens) + 5)
+    cache.hold_writes(True)  # as while a prompt prefills alone: the SSD writes wait
+    cache.store(tokens[: 16 * B], whole, final=False)
+    cache.store(tokens, whole, final=False)
+    cache.store(tokens + [7] * 5, whole, final=True)
+    keys = block_keys(FP, tokens, B)
+    assert [cache.tiers.hot.contains(k) for k in keys] == [True] * 8 + [False] * 24
+    _, n = cache.lookup(tokens + [9])
+    assert n == 8 * B  # the hot run; the rest still waits for the SSD writer
+    cache.hold_writes(False)
+    assert ssd.flush(10)
+    _, n = cache.lookup(tokens + [9])
+    assert n == len(tokens)
+    assert all(cache.tiers.hot.contains(k) for k in keys[:8])  # the restore pushed out none of them
+    ssd.close()
