@@ -209,15 +209,6 @@ def ready_for_threads(model: Any) -> None:
     mx.eval(model(mx.array([[3, 4, 5]])))
 
 
-def load_for_threads(path: Path | str) -> tuple[Any, Any]:
-    """`mlx_lm.load` for a model that engines on other threads will run."""
-    from mlx_lm import load
-
-    model, tokenizer = load(str(path))
-    ready_for_threads(model)
-    return model, tokenizer
-
-
 def weight_read_bytes(model: Any) -> tuple[int, int]:
     """(parameter bytes, bytes a decode step reads): an untied embedding is only gathered."""
     from mlx.utils import tree_flatten
