@@ -76,7 +76,7 @@ SETTINGS: tuple[Setting, ...] = (
         "graph_warmup_tokens",
         int,
         32768,
-        "On a CUDA GPU, a model's engine feeds a dummy prompt of this many tokens (at most its context window, and a KV cache of about 5% of GPU memory) once after loading, in the chunks a lone prompt is prefilled in, while no model has requests (one that comes waits for at most the chunk in progress; the warm-up then drops what it fed and starts over when all are idle again, giving up after 8 interruptions): MLX then builds the attention graph of each chunk shape (~40 ms each on an H200) before a user's long prompt needs it. 0 = off; ignored on other devices.",
+        "On a CUDA GPU, a model's engine feeds a dummy prompt of this many tokens (at most its context window, and a KV cache of about 5% of GPU memory) once after loading, in the chunks a lone prompt is prefilled in, while no model has requests (one that comes waits for at most the chunk in progress; the warm-up then drops what it fed and starts over when all are idle again, giving up after 8 interruptions): MLX then builds the attention graph of each chunk shape (tens of milliseconds each) before a user's long prompt needs it. 0 = off; ignored on other devices.",
         minimum=0,
     ),
     Setting(

@@ -7,8 +7,10 @@ synthetic BPE tokenizer), `omlx serve` runs as subprocesses, raw mlx-lm runs in 
 process (only while the servers are idle), and a pool of client processes streams the
 HTTP requests. Parts (see benchmarks/gpu/README.md):
 
-  a  batch-1 decode tok/s: oMLX (streamed /v1/completions) vs `mlx_lm.stream_generate`
-  b  N concurrent streams, aggregate tok/s: oMLX vs raw `BatchGenerator`
+  a  batch-1 decode tok/s: oMLX (a streamed chat completion of a text prompt) vs
+     `mlx_lm.stream_generate` on the same rendered prompt, rounds alternating, medians
+  b  N concurrent streamed chat completions, aggregate tok/s: oMLX vs raw `BatchGenerator`,
+     rounds alternating, medians
   c  TTFT of long prompts: --no-cache, cache miss, hot-tier restore, RAM-tier restore, SSD restore after a
      restart (page cache dropped), and the tiers' restore bandwidth
   d  batch-1 decode as a fraction of the HBM floor (bytes read per step / copy bandwidth)
@@ -101,6 +103,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 PERF = time.perf_counter
+STREAMS_MARKER = "every-token-streams"  # in a model folder built by build_model(every_token_streams=True)
 
 
 STUCK_AFTER = 180  # seconds without a log line: this process's stacks go to stderr
@@ -126,12 +129,19 @@ def build_model(
     name: str | None = None,
     window: int | None = None,
     tokenizer: Any = None,
+    every_token_streams: bool = False,
 ) -> Path:
     """A random-weight bf16 model folder that `mlx_lm.load` and `omlx serve` accept.
 
     `name` (default: the shape's) is the folder; `window` replaces the shape's
     `max_position_embeddings` (the context window oMLX serves); `tokenizer(out)` writes the
-    tokenizer files instead of the 512-token BPE (long_context.py's has a word per model id)."""
+    tokenizer files instead of the 512-token BPE (long_context.py's has a word per model id);
+    `every_token_streams` zeroes the output head's rows (the tied embedding's where tied) of
+    EOS and of every token that is no whole text (special tokens, lone UTF-8 bytes, which a
+    streamed answer holds back until the character is whole): their logits are then 0, below
+    the largest of the other random logits, so greedy output runs to `max_tokens` without a
+    `logit_bias` (DESIGN.md, "Benchmark method") and each token streams as text. A folder built
+    the other way is rebuilt."""
     import mlx.core as mx
     from mlx_lm.models import llama
     from mlx_lm.utils import save_model
@@ -139,8 +149,11 @@ def build_model(
     from tests.support.tiny_model import build_tokenizer
 
     out = models_root / (name or shape)
+    marker = out / STREAMS_MARKER
     if (out / "config.json").exists():
-        return out
+        if marker.exists() == every_token_streams:
+            return out
+        shutil.rmtree(out)
     tic = PERF()
     shape_config = {**SHAPES[shape], **({"max_position_embeddings": window} if window else {})}
     out.mkdir(parents=True, exist_ok=True)
@@ -160,14 +173,31 @@ def build_model(
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
+    if every_token_streams:
+        head = model.model.embed_tokens if config["tie_word_embeddings"] else model.lm_head
+        head.weight = head.weight.at[mx.array(no_text_ids(out, config["eos_token_id"]))].multiply(0.0)
     mx.eval(model.parameters())
     save_model(out, model)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    if every_token_streams:
+        marker.write_text("the output head's rows of EOS and of tokens without whole text are zero\n")
     del model
     mx.clear_cache()
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     log(f"built {out.name}: {size / 1e9:.2f} GB of bf16 weights in {PERF() - tic:.1f} s")
     return out
+
+
+def no_text_ids(folder: Path, eos: int) -> list[int]:
+    """EOS and the ids of `folder`'s tokenizer whose text a stream holds back: none (""), a
+    partial UTF-8 sequence (mlx-lm's detokenizer waits for the whole character), or only
+    whitespace (a chat answer's leading whitespace waits for its first other character). Ids
+    past its vocabulary stream as "!" (mlx-lm's fallback)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    texts = ((i, tok.decode([i])) for i in range(tok.get_vocab_size()))
+    return sorted({eos, *(i for i, t in texts if not t.strip() or "\ufffd" in t)})
 
 
 def ready_for_threads(model: Any) -> None:
@@ -177,15 +207,6 @@ def ready_for_threads(model: Any) -> None:
     import mlx.core as mx
 
     mx.eval(model(mx.array([[3, 4, 5]])))
-
-
-def load_for_threads(path: Path | str) -> tuple[Any, Any]:
-    """`mlx_lm.load` for a model that engines on other threads will run."""
-    from mlx_lm import load
-
-    model, tokenizer = load(str(path))
-    ready_for_threads(model)
-    return model, tokenizer
 
 
 def weight_read_bytes(model: Any) -> tuple[int, int]:
@@ -386,6 +407,29 @@ class Workload:
             "logit_bias": {str(e): -100 for e in self.eos},
         }
 
+    def text(self, tokenizer: Any, n: int) -> str:
+        """A new text of about `n` tokens (random ids of the tokenizer's vocabulary, decoded)."""
+        return tokenizer.decode(self.prompt(n))
+
+    def chat_body(self, text: str, max_tokens: int) -> dict[str, Any]:
+        """The request users send: a streamed chat completion of one user message, greedy,
+        no `logit_bias` (the model's EOS is unreachable instead)."""
+        return {
+            "model": self.model_name,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """The prompt ids `omlx serve` renders for `Workload.chat_body(text)`: what raw mlx-lm gets."""
+    from omlx.api.chat_template import render_chat
+
+    return render_chat(tokenizer, [{"role": "user", "content": text}])
+
 
 def decode_rate(times: list[float]) -> float:
     return (
@@ -434,15 +478,16 @@ def logits_procs(eos: list[int]) -> list[Any]:
 
 
 def raw_decode(
-    model: Any, tokenizer: Any, prompt: list[int], n: int, eos: list[int]
+    model: Any, tokenizer: Any, prompt: list[int], n: int, eos: list[int], with_procs: bool = True
 ) -> dict[str, float]:
+    """Batch-1 `stream_generate`; `with_procs`: EOS biased off by a logits processor (the
+    model of parts (a) and (b) needs none: its EOS is unreachable)."""
     from mlx_lm.generate import stream_generate
 
     sent = PERF()
     times = []
-    for _ in stream_generate(
-        model, tokenizer, prompt=prompt, max_tokens=n, logits_processors=logits_procs(eos)
-    ):
+    procs = logits_procs(eos) if with_procs else None
+    for _ in stream_generate(model, tokenizer, prompt=prompt, max_tokens=n, logits_processors=procs):
         times.append(PERF())
     return {"tps": decode_rate(times), "ttft": times[0] - sent, "tokens": len(times)}
 
@@ -451,7 +496,7 @@ def raw_decode_fresh_process(model_path: Path, prompt: list[int], n: int, eos: l
     """Batch-1 `stream_generate` tok/s in a process that does nothing else (best of 2 after a
     warm-up): the driver hosts the client pool, the in-process engine and earlier parts'
     arrays, and on a busy host its raw figure came out below the server process's."""
-    job = json.dumps({"model": str(model_path), "prompt": prompt, "n": n, "eos": eos})
+    job = json.dumps({"model": str(model_path), "prompt": prompt, "n": n, "eos": eos})  # no processors
     out = subprocess.run(
         [sys.executable, __file__, "--raw-worker", job], capture_output=True, text=True, timeout=900
     )
@@ -465,7 +510,7 @@ def raw_worker(job: str) -> None:
 
     spec = json.loads(job)
     model, tokenizer = load(spec["model"])
-    rates = [raw_decode(model, tokenizer, spec["prompt"], spec["n"], spec["eos"])["tps"] for _ in range(3)]
+    rates = [raw_decode(model, tokenizer, spec["prompt"], spec["n"], spec["eos"], False)["tps"] for _ in range(3)]
     print(json.dumps({"tps": max(rates[1:])}))
 
 
@@ -475,7 +520,7 @@ def raw_batch_decode(model: Any, prompt: list[int], n: int, eos: list[int]) -> f
     from mlx_lm.generate import BatchGenerator
 
     bg = BatchGenerator(model, stop_tokens=[[e] for e in eos], completion_batch_size=1, prefill_batch_size=1)
-    bg.insert([prompt], max_tokens=[n], logits_processors=[logits_procs(eos)])
+    bg.insert([prompt], max_tokens=[n])  # no processors: the model's EOS is unreachable
     times: list[float] = []
     done = False
     while not done:
@@ -504,8 +549,7 @@ def engine_decode(model: Any, tokenizer: Any, prompt: list[int], n: int, eos: li
 
     async def run() -> dict[str, float]:
         await engine.wait_ready()
-        bias = {e: -100.0 for e in eos}
-        req = GenerationRequest("bench", prompt, n, SamplingParams(temperature=0.0, logit_bias=bias))
+        req = GenerationRequest("bench", prompt, n, SamplingParams(temperature=0.0))  # EOS unreachable
         first = last = 0.0
         tokens = 0
         async for ev in engine.generate(req):
@@ -829,12 +873,18 @@ def main() -> None:
     )
     ap.add_argument("--decode-tokens", type=int, default=512)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    # rounds of (a) and of (b)/(f): single rounds on the H200 ranged 0.84-0.99x (a) and
-    # 0.85-0.99x (b) within one call (RESULTS.md, eighth session); the best of 4 is steadier
-    ap.add_argument("--repeats", type=int, default=4)
+    # rounds of (a) and of (b)/(f): one round's ratio moves with the machine (gpu/README.md),
+    # so (a) and (b) alternate server and raw rounds and compare their medians
+    ap.add_argument("--repeats", type=int, default=7, help="Rounds of (a), each side (at least 5 for a median).")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=256)
-    ap.add_argument("--stream-repeats", type=int, default=4)
+    ap.add_argument("--stream-repeats", type=int, default=5, help="Rounds of (b) each side, and of (f).")
+    ap.add_argument(
+        "--references",
+        action="store_true",
+        help="(a) also times, once each, raw stream_generate in a fresh process, raw BatchGenerator "
+        "at batch 1 and oMLX's LLMEngine in this process (no HTTP).",
+    )
     ap.add_argument("--client-procs", type=int, default=8)
     ap.add_argument("--peer-streams", type=int, default=8, help="Concurrent streams of part (f).")
     ap.add_argument("--ttft-lengths", default="8000,32000")
@@ -905,7 +955,7 @@ def main() -> None:
         )
 
     models_root = work / "models"
-    model_path = build_model(models_root, args.shape)
+    model_path = build_model(models_root, args.shape, every_token_streams=True)
     tic = PERF()
     model, tokenizer = load(str(model_path))
     results["raw_load_s"] = PERF() - tic
@@ -970,30 +1020,29 @@ def main() -> None:
         prompt_a = wl.prompt(args.prompt_tokens)
         # full length: the KV cache grows in steps of 256, each new shape compiles once
         warm_tokens = args.decode_tokens if ("a" in parts or "d" in parts) else 32
-        raw_decode(model, tokenizer, prompt_a, warm_tokens, eos)
-        if "a" in parts or "d" in parts:
+        warm_text = wl.text(tokenizer, args.prompt_tokens)
+        chat_parts, other_parts = parts & {"a", "b", "d"}, parts - {"a", "b", "d"}
+        if chat_parts:
+            raw_decode(model, tokenizer, chat_ids(tokenizer, warm_text), warm_tokens, eos, with_procs=False)
+        if other_parts:  # (c)'s raw prefill
+            raw_decode(model, tokenizer, prompt_a, warm_tokens, eos)
+        if args.references and ("a" in parts or "d" in parts):
             raw_batch_decode(model, prompt_a, warm_tokens, eos)
         log("raw warm")
         if "b" in parts:
-            raw_batch(
-                model,
-                [wl.prompt(args.prompt_tokens) for _ in range(args.streams)],
-                8,
-                eos,
-                args.prefill_step_size or 512,
-            )
+            warm_ids = [chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens)) for _ in range(args.streams)]
+            raw_batch(model, warm_ids, 8, eos, args.prefill_step_size or 512, with_procs=False)
         for s in servers:
             if s is peer:  # warmed up by part (f) itself, on its own text prompts
                 continue
-            one(s.url, wl.body(prompt_a, warm_tokens))
+            if chat_parts:
+                one(s.url, wl.chat_body(warm_text, warm_tokens))
+            if other_parts:  # the token-id completions of (c) and (g)
+                one(s.url, wl.body(prompt_a, warm_tokens))
             log(f"{s.label} warm (1 stream)")
             if "b" in parts:
-                server_batch(
-                    pool,
-                    s.url,
-                    [wl.body(wl.prompt(args.prompt_tokens), 8) for _ in range(args.streams)],
-                    args.client_procs,
-                )
+                texts = [wl.text(tokenizer, args.prompt_tokens) for _ in range(args.streams)]
+                server_batch(pool, s.url, [wl.chat_body(t, 8) for t in texts], args.client_procs)
         log("warm")
 
         def save() -> None:
@@ -1003,63 +1052,9 @@ def main() -> None:
 
         if "a" in parts or "d" in parts:
             try:
-                raw_fresh = raw_decode_fresh_process(model_path, prompt_a, args.decode_tokens, eos)
-                log(f"(a) raw stream_generate in a fresh process: {raw_fresh:.1f} tok/s")
-                rows = []
-                for r in range(args.repeats):
-                    raw = raw_decode(model, tokenizer, prompt_a, args.decode_tokens, eos)
-                    raw_bg = raw_batch_decode(model, prompt_a, args.decode_tokens, eos)
-                    eng = engine_decode(model, tokenizer, prompt_a, args.decode_tokens, eos)
-                    if r == args.repeats - 1:
-                        spy.start(srv.proc.pid, f"{args.shape}-a", 120)
-                    rec = one(srv.url, wl.body(prompt_a, args.decode_tokens))
-                    spy.stop()
-                    ours = stream_rate(rec)
-                    rows.append(
-                        {
-                            "raw_tps": raw["tps"],
-                            "raw_batchgen_tps": raw_bg,
-                            "engine_tps": eng["tps"],
-                            "omlx_tps": ours,
-                            "omlx_tokens": rec["completion_tokens"],
-                            "omlx_text_chunks": len(rec["times"]),
-                            "raw_ttft": raw["ttft"],
-                            "omlx_ttft": rec["times"][0] - rec["sent"],
-                        }
-                    )
-                    log(
-                        f"(a) round {r}: raw {raw['tps']:.1f} tok/s, raw BatchGenerator {raw_bg:.1f} tok/s, "
-                        f"oMLX engine in-process {eng['tps']:.1f} tok/s, omlx {ours:.1f} tok/s ({ours / raw['tps']:.3f}x)"
-                    )
-                # the peer's best figure, wherever it was measured
-                best_raw = max([x["raw_tps"] for x in rows] + [raw_fresh])
-                best_ours = max(x["omlx_tps"] for x in rows)
-                results["a"] = {
-                    "rounds": rows,
-                    "raw_fresh_process_tps": raw_fresh,
-                    "raw_tps": best_raw,
-                    "omlx_tps": best_ours,
-                    "raw_batchgen_tps": max(x["raw_batchgen_tps"] for x in rows),
-                    "engine_tps": max(x["engine_tps"] for x in rows),
-                    "ratio": best_ours / best_raw,
-                    "decode_tokens": args.decode_tokens,
-                    "prompt_tokens": args.prompt_tokens,
-                }
+                results["a"] = part_a(args, wl, model, tokenizer, model_path, srv, spy)
                 if "device_bw" in results:
-                    bw = results["device_bw"]["hbm_copy_GBps"] * 1e9
-                    kv_per_token = kv_bytes_per_token(args.shape)
-                    ctx = args.prompt_tokens + args.decode_tokens / 2
-                    floor = bw / (step_bytes + kv_per_token * ctx)
-                    results["d"] = {
-                        "hbm_GBps": bw / 1e9,
-                        "bytes_per_step": step_bytes + kv_per_token * ctx,
-                        "floor_tps": floor,
-                        "raw_fraction": best_raw / floor,
-                        "omlx_fraction": best_ours / floor,
-                    }
-                    log(
-                        f"(d) HBM floor {floor:.0f} tok/s: raw {best_raw / floor:.2f}, omlx {best_ours / floor:.2f}"
-                    )
+                    results["d"] = part_d(args, results["a"], results["device_bw"], step_bytes)
             except Exception:
                 dump_servers(args.py_spy, servers)
                 results["a_error"] = traceback.format_exc()
@@ -1068,56 +1063,7 @@ def main() -> None:
 
         if "b" in parts:
             try:
-                rows = []
-                for r in range(args.stream_repeats):
-                    prompts = [wl.prompt(args.prompt_tokens) for _ in range(args.streams)]
-                    raw = raw_batch(
-                        model, prompts, args.stream_tokens, eos, args.prefill_step_size or 512
-                    )
-                    prompts = [wl.prompt(args.prompt_tokens) for _ in range(args.streams)]
-                    if r == args.stream_repeats - 1:
-                        spy.start(srv.proc.pid, f"{args.shape}-b", 120)
-                    ours = server_batch(
-                        pool,
-                        srv.url,
-                        [wl.body(p, args.stream_tokens) for p in prompts],
-                        args.client_procs,
-                    )
-                    spy.stop()
-                    rows.append({"raw": raw, "omlx": ours})
-                    log(
-                        f"(b) round {r}: raw {raw['aggregate_tps']:.0f} tok/s (steady {raw['steady_tps']:.0f}), "
-                        f"omlx {ours['aggregate_tps']:.0f} tok/s (steady {ours['steady_tps']:.0f}) "
-                        f"-> {ours['aggregate_tps'] / raw['aggregate_tps']:.3f}x"
-                    )
-                prompts = [wl.prompt(args.prompt_tokens) for _ in range(args.streams)]
-                raw_np = raw_batch(
-                    model,
-                    prompts,
-                    args.stream_tokens,
-                    eos,
-                    args.prefill_step_size or 512,
-                    with_procs=False,
-                )
-                best = lambda side, key: max(x[side][key] for x in rows)  # noqa: E731
-                results["b"] = {
-                    "rounds": rows,
-                    "streams": args.streams,
-                    "stream_tokens": args.stream_tokens,
-                    "raw_tps": best("raw", "aggregate_tps"),
-                    "omlx_tps": best("omlx", "aggregate_tps"),
-                    "raw_steady_tps": best("raw", "steady_tps"),
-                    "omlx_steady_tps": best("omlx", "steady_tps"),
-                    "raw_no_logits_processor_tps": raw_np["aggregate_tps"],
-                    "raw_no_logits_processor_steady_tps": raw_np["steady_tps"],
-                }
-                results["b"]["ratio"] = results["b"]["omlx_tps"] / results["b"]["raw_tps"]
-                results["b"]["steady_ratio"] = (
-                    results["b"]["omlx_steady_tps"] / results["b"]["raw_steady_tps"]
-                )
-                log(
-                    f"(b) raw without logits processors: {raw_np['aggregate_tps']:.0f} tok/s (steady {raw_np['steady_tps']:.0f})"
-                )
+                results["b"] = part_b(args, wl, model, tokenizer, srv, pool, spy)
             except Exception:
                 dump_servers(args.py_spy, servers)
                 results["b_error"] = traceback.format_exc()
@@ -1155,6 +1101,94 @@ def main() -> None:
         pool.shutdown()
     (out_dir / f"results-{args.shape}.json").write_text(json.dumps(results, indent=2, default=str))
     print_table(results)
+
+
+def median_ratio(ours: list[float], raw: list[float]) -> dict[str, float]:
+    """Medians, bests and the two ratios of a server's rounds against raw's."""
+    m_ours, m_raw = statistics.median(ours), statistics.median(raw)
+    return {"omlx_median": m_ours, "raw_median": m_raw, "ratio": m_ours / m_raw if m_raw else 0.0,
+            "omlx_best": max(ours), "raw_best": max(raw), "best_ratio": max(ours) / max(raw) if max(raw) else 0.0}  # fmt: skip
+
+
+def settle(srv: Server) -> None:
+    """Until the server has stored what its last requests left (the SSD writer checksums and
+    copies on the host, up to ~1 GB after 32 streams at 8B): a raw round then competes with
+    nothing of the server's."""
+    srv.wait_idle()
+    srv.wait_ssd_writes()
+
+
+def part_a(
+    args: Any, wl: Workload, model: Any, tokenizer: Any, model_path: Path, srv: Server, spy: PySpy
+) -> dict[str, Any]:
+    """Batch-1 decode: a streamed chat completion through the server, then raw
+    `stream_generate` on the same kind of prompt (new text each, rendered by the model's chat
+    template), `--repeats` times in turn; the ratio is of the medians."""
+    n, eos = args.decode_tokens, wl.eos
+    rows = []
+    for r in range(args.repeats):
+        if r == args.repeats - 1:
+            spy.start(srv.proc.pid, f"{args.shape}-a", 120)
+        rec = one(srv.url, wl.chat_body(wl.text(tokenizer, args.prompt_tokens), n))
+        spy.stop()
+        settle(srv)
+        ids = chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens))
+        raw = raw_decode(model, tokenizer, ids, n, eos, with_procs=False)
+        ours = stream_rate(rec)
+        rows.append({"omlx_tps": ours, "raw_tps": raw["tps"], "omlx_tokens": rec["completion_tokens"],
+                     "raw_tokens": raw["tokens"], "omlx_prompt_tokens": rec["prompt_tokens"],
+                     "raw_prompt_tokens": len(ids), "omlx_text_chunks": len(rec["times"]),
+                     "omlx_ttft": rec["times"][0] - rec["sent"], "raw_ttft": raw["ttft"]})  # fmt: skip
+        log(f"(a) round {r}: server {ours:.1f} tok/s ({rec['completion_tokens']} tokens), raw stream_generate "
+            f"{raw['tps']:.1f} tok/s ({raw['tokens']}) -> {ours / raw['tps']:.3f}x")  # fmt: skip
+    a: dict[str, Any] = {"rounds": rows, "decode_tokens": n, "prompt_tokens": args.prompt_tokens,
+                         **median_ratio([x["omlx_tps"] for x in rows], [x["raw_tps"] for x in rows])}  # fmt: skip
+    if args.references:
+        prompt = chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens))
+        a["raw_fresh_process_tps"] = raw_decode_fresh_process(model_path, prompt, n, eos)
+        a["raw_batchgen_tps"] = raw_batch_decode(model, prompt, n, eos)
+        a["engine_tps"] = engine_decode(model, tokenizer, prompt, n, eos)["tps"]
+        log(f"(a) references: raw stream_generate in a fresh process {a['raw_fresh_process_tps']:.1f}, raw "
+            f"BatchGenerator {a['raw_batchgen_tps']:.1f}, LLMEngine in this process {a['engine_tps']:.1f} tok/s")  # fmt: skip
+    return a
+
+
+def part_d(args: Any, a: dict[str, Any], device_bw: dict[str, float], step_bytes: int) -> dict[str, Any]:
+    """(a)'s medians as fractions of the HBM floor: weight + KV bytes read per step / copy bandwidth."""
+    bw = device_bw["hbm_copy_GBps"] * 1e9
+    per_step = step_bytes + kv_bytes_per_token(args.shape) * (args.prompt_tokens + args.decode_tokens / 2)
+    floor = bw / per_step
+    log(f"(d) HBM floor {floor:.0f} tok/s: raw {a['raw_median'] / floor:.2f}, omlx {a['omlx_median'] / floor:.2f}")
+    return {"hbm_GBps": bw / 1e9, "bytes_per_step": per_step, "floor_tps": floor,
+            "raw_fraction": a["raw_median"] / floor, "omlx_fraction": a["omlx_median"] / floor}  # fmt: skip
+
+
+def part_b(
+    args: Any, wl: Workload, model: Any, tokenizer: Any, srv: Server, pool: Any, spy: PySpy
+) -> dict[str, Any]:
+    """`--streams` concurrent streamed chat completions through the server, then raw
+    `BatchGenerator` on as many new prompts of the same kind, `--stream-repeats` times in
+    turn; aggregate (send to last token) and steady (all streams decoding) rates by medians."""
+    k, n = args.streams, args.stream_tokens
+    rows = []
+    for r in range(args.stream_repeats):
+        texts = [wl.text(tokenizer, args.prompt_tokens) for _ in range(k)]
+        if r == args.stream_repeats - 1:
+            spy.start(srv.proc.pid, f"{args.shape}-b", 120)
+        ours = server_batch(pool, srv.url, [wl.chat_body(t, n) for t in texts], args.client_procs)
+        spy.stop()
+        settle(srv)
+        ids = [chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens)) for _ in range(k)]
+        raw = raw_batch(model, ids, n, wl.eos, args.prefill_step_size or 512, with_procs=False)
+        rows.append({"omlx": ours, "raw": raw})
+        log(f"(b) round {r}: server {ours['aggregate_tps']:.0f} tok/s (steady {ours['steady_tps']:.0f}), raw "
+            f"BatchGenerator {raw['aggregate_tps']:.0f} tok/s (steady {raw['steady_tps']:.0f}) "
+            f"-> {ours['aggregate_tps'] / raw['aggregate_tps']:.3f}x")  # fmt: skip
+    side = lambda who, key: [x[who][key] for x in rows]  # noqa: E731
+    steady = median_ratio(side("omlx", "steady_tps"), side("raw", "steady_tps"))
+    return {"rounds": rows, "streams": k, "stream_tokens": n,
+            **median_ratio(side("omlx", "aggregate_tps"), side("raw", "aggregate_tps")),
+            **{f"steady_{key}": v for key, v in steady.items()}}  # fmt: skip
 
 
 def part_f(args: Any, wl: Workload, tokenizer: Any, pool: Any, ours: Server, peer: Server) -> dict[str, Any]:
@@ -1359,21 +1393,26 @@ def print_table(r: dict[str, Any]) -> None:
     )
     if "a" in r:
         a = r["a"]
-        print(
-            f"(a) batch-1 decode, {a['decode_tokens']} tokens: raw stream_generate {a['raw_tps']:.1f} tok/s "
-            f"(best of this process and a fresh one: {a.get('raw_fresh_process_tps', float('nan')):.1f}) | "
-            f"omlx {a['omlx_tps']:.1f} tok/s | ratio {a['ratio']:.3f} (goal >= 0.95); raw BatchGenerator "
-            f"batch-1 {a.get('raw_batchgen_tps', float('nan')):.1f} tok/s; oMLX engine in-process "
-            f"{a.get('engine_tps', float('nan')):.1f} tok/s"
-        )
+        print(f"(a) batch-1 decode, {a['decode_tokens']} tokens, {len(a['rounds'])} rounds each, server then raw:")
+        for i, x in enumerate(a["rounds"]):
+            print(f"    round {i}: server {x['omlx_tps']:.1f} tok/s | raw stream_generate {x['raw_tps']:.1f} tok/s "
+                  f"| {x['omlx_tps'] / x['raw_tps']:.3f}x")  # fmt: skip
+        print(f"    medians: server {a['omlx_median']:.1f} | raw {a['raw_median']:.1f} | ratio {a['ratio']:.3f} "
+              f"(goal >= 0.95); best {a['omlx_best']:.1f} / {a['raw_best']:.1f} = {a['best_ratio']:.3f}")  # fmt: skip
+        if "engine_tps" in a:
+            print(f"    references: raw in a fresh process {a['raw_fresh_process_tps']:.1f}, raw BatchGenerator "
+                  f"{a['raw_batchgen_tps']:.1f}, LLMEngine in-process {a['engine_tps']:.1f} tok/s")  # fmt: skip
     if "b" in r:
         b = r["b"]
-        print(
-            f"(b) {b['streams']} streams x {b['stream_tokens']}: raw BatchGenerator {b['raw_tps']:.0f} tok/s | "
-            f"omlx {b['omlx_tps']:.0f} tok/s | ratio {b['ratio']:.3f} (goal >= 0.9); steady decode "
-            f"{b['raw_steady_tps']:.0f} vs {b['omlx_steady_tps']:.0f} ({b['steady_ratio']:.3f}); raw w/o logits "
-            f"processors {b['raw_no_logits_processor_tps']:.0f}"
-        )
+        print(f"(b) {b['streams']} streams x {b['stream_tokens']} tokens, {len(b['rounds'])} rounds each, "
+              "server then raw BatchGenerator (aggregate tok/s, steady in brackets):")  # fmt: skip
+        for i, x in enumerate(b["rounds"]):
+            o, w = x["omlx"], x["raw"]
+            print(f"    round {i}: server {o['aggregate_tps']:.0f} ({o['steady_tps']:.0f}) | raw "
+                  f"{w['aggregate_tps']:.0f} ({w['steady_tps']:.0f}) | {o['aggregate_tps'] / w['aggregate_tps']:.3f}x")  # fmt: skip
+        print(f"    medians: server {b['omlx_median']:.0f} | raw {b['raw_median']:.0f} | ratio {b['ratio']:.3f} "
+              f"(goal >= 0.9); steady {b['steady_omlx_median']:.0f} vs {b['steady_raw_median']:.0f} "
+              f"({b['steady_ratio']:.3f}); best {b['omlx_best']:.0f} / {b['raw_best']:.0f} = {b['best_ratio']:.3f}")  # fmt: skip
     if "c" in r:
         for n, row in r["c"].get("rows", {}).items():
             print(

@@ -1,7 +1,8 @@
 """Streaming client for the GPU benchmark: no MLX import, so it can run in worker processes.
 
-One request = one streamed `/v1/completions` call with token-id prompts. A record holds the
-send time, the arrival time of every chunk that carried text, and the final usage, all on
+One request = one streamed `/v1/chat/completions` call (a body with `messages`) or
+`/v1/completions` call (a body with `prompt`: text or token ids). A record holds the send time,
+the arrival time of every chunk that carried text, and the final usage, all on
 `time.perf_counter()` (CLOCK_MONOTONIC on Linux, so times from several processes compare).
 """
 
@@ -44,7 +45,8 @@ def _stream_once(
     usage: dict[str, Any] | None = None
     finish = None
     end = None  # arrival of the chunk with the finish reason: the last token's
-    request = client.build_request("POST", f"{base_url}/v1/completions", json=body, timeout=timeout)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    request = client.build_request("POST", f"{base_url}{path}", json=body, timeout=timeout)
     try:
         r = client.send(request, stream=True)
     except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError) as exc:
@@ -70,7 +72,7 @@ def _stream_once(
             if obj.get("usage"):
                 usage = obj["usage"]
             for ch in obj.get("choices", ()):
-                if ch.get("text"):
+                if ch.get("text") or (ch.get("delta") or {}).get("content"):
                     times.append(time.perf_counter())
                 if ch.get("logprobs"):
                     lp_tokens += ch["logprobs"].get("tokens") or []

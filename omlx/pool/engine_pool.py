@@ -79,9 +79,9 @@ class Entry:
 def freeze_heap(unfreeze: bool = False) -> None:
     """Collect, then exempt every object alive now from the collector's later passes.
 
-    A loaded model, its tokenizer and the server's imports are some 340,000 tracked objects
-    (SmolLM2 on a CPU), and a full pass over them stops every thread, streams included, for
-    ~120 ms on a 2-core CPU (0.1 ms frozen); after a load they only die when their model is
+    A loaded model, its tokenizer and the server's imports are hundreds of thousands of
+    tracked objects, and a full pass over them stops every thread, streams included
+    (docs/design/serving-layer.md); after a load they only die when their model is
     unloaded. So the heap is frozen after each load, and thawed first after an unload
     (`unfreeze`), so that what of the model only the collector can free (cycles; mlx-lm's
     Llama has none, other models may) is not kept for good. A cycle that is alive at a freeze

@@ -135,8 +135,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
         prompts = await asyncio.to_thread(_completion_prompts, tokenizer, body.prompt)
     else:
         # Token ids need no thread: under decode load each hop waits for the GIL the engine
-        # holds (up to the 5 ms switch interval, twice), a likely part of why 32 simultaneous
-        # requests reached the engine over ~0.3 s on an H200.
+        # holds, up to Python's switch interval, twice (docs/design/serving-layer.md).
         prompts = _completion_prompts(tokenizer, body.prompt)
     vocab = engine.model_vocab_size
     for p in prompts:

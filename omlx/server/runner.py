@@ -92,13 +92,13 @@ def run_server(settings: Settings) -> None:
     # MLX's CUDA backend compiles kernels at run time and caches them under /tmp by default,
     # which a reboot empties; keep them with oMLX's other state so only the first start pays.
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(settings.home / "kernel-cache"))
-    # Its prefill attention runs cuDNN graphs built per (chunk, context) shape, ~60 ms each on
-    # an H200, in an LRU of 128 by default: one 32,000-token prompt needs 63. Keep more. And
+    # Its prefill attention runs cuDNN graphs built per (chunk, context) shape, in an LRU of
+    # 128 by default: one 32,000-token prompt in 512-token chunks needs 63. Keep more. And
     # MLX raises an error on every new shape once a process has missed twice an LRU's
     # capacity (its "cache thrashing" check): a server meets new prompt lengths all its life,
     # so after a few hundred requests every prefill would fail. Misses only cost time here.
-    # An entry holds ~2.2 MiB of host RAM and ~0.1 MiB of device memory (H200,
-    # benchmarks/gpu/sdpa_cache_probe.py): 1,024 cost up to ~2.3 GB of RAM.
+    # What an entry costs in build time and memory: docs/design/gpu-findings.md
+    # (#attention-graph-cache-entries).
     os.environ.setdefault("MLX_CUDA_SDPA_CACHE_SIZE", "1024")
     os.environ.setdefault("MLX_ENABLE_CACHE_THRASHING_CHECK", "0")
     from omlx.models.loader import resolve_compute_dtype

@@ -61,9 +61,10 @@ async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIter
     """Yield from `source`, yielding KEEPALIVE whenever `interval` s pass without an item.
 
     One task reads `source` for the whole stream and a timer is armed only while nothing
-    is queued: a task and a wait per item cost the event loop ~15 µs per token, time it
-    shares with the engine thread under one GIL. Closing this generator cancels the reader,
-    which closes `source` (an engine stream then cancels its request).
+    is queued: a task and a wait per item cost the event loop several times more per token,
+    time it shares with the engine thread under one GIL (docs/design/serving-layer.md).
+    Closing this generator cancels the reader, which closes `source` (an engine stream then
+    cancels its request).
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()

@@ -2,17 +2,16 @@
 backend prefill attention builds a cuDNN graph per (chunk, context) shape, kept in an LRU
 (`MLX_CUDA_SDPA_CACHE_SIZE`); these tests shrink it to 8 and send 40 prompt lengths.
 
-What the H200 showed (MLX 0.32.4, benchmarks/RESULTS.md):
-- seventh session, prompts in 512-token chunks: the 29th length lost the process's CUDA
-  context ("illegal memory access"), and every later request failed;
-- eighth session: lone prompts (2,048-token chunks) were all answered, and with MLX's "cache
-  thrashing" check on it never tripped, so these prefills built fewer than 16 graphs that
-  the LRU had to make again; `sdpa_cache_probe.py evict` (attention alone, 40 shapes through
-  an LRU of 8) trips the check at the 17th miss, and with the check off evicts without harm,
-  CUDA graphs on or off.
+What the H200 showed (MLX 0.32.4, docs/design/gpu-findings.md#attention-graph-cache-entries):
+- prompts in 512-token chunks: the 29th length lost the process's CUDA context ("illegal
+  memory access"), and every later request failed;
+- lone prompts (2,048-token chunks) were all answered, and with MLX's "cache thrashing" check
+  on it never tripped, so these prefills built fewer than 16 graphs that the LRU had to make
+  again; attention alone (40 shapes through an LRU of 8) trips the check at the 17th miss, and
+  with the check off evicts without harm, CUDA graphs on or off.
 So what loses the context is not plain eviction. The tests hold oMLX to what it controls:
 lone prompts of new lengths are answered, and prompts two at a time (512-token chunks, the
-seventh session's case) are answered, or, should the context be lost, the server says so on
+case that lost the context) are answered, or, should the context be lost, the server says so on
 `/health` and exits with code 75 for its supervisor to restart it, rather than answering
 500 to everything from then on.
 
