@@ -90,6 +90,24 @@ class ServiceUnavailableError(OMLXError):
         super().__init__(message, code="unavailable")
 
 
+class ModelLoadError(OMLXError):
+    """The named model's folder could not be loaded (its config, weights or tokenizer): the
+    model is unavailable, the server is not at fault and serves the others (503)."""
+
+    status = 503
+    error_type = "server_error"
+
+    def __init__(self, model: str, reason: BaseException):
+        detail = (str(reason).strip().splitlines() or [""])[0][:500]
+        super().__init__(
+            f"Model '{model}' could not be loaded: {type(reason).__name__}"
+            + (f": {detail}" if detail else "")
+            + ". Check its folder (config.json, weights, tokenizer); the other models keep serving.",
+            param="model",
+            code="model_load_failed",
+        )
+
+
 class InsufficientMemoryError(OMLXError):
     status = 507
     error_type = "insufficient_memory_error"

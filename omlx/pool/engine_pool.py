@@ -19,7 +19,13 @@ from typing import Any, Protocol
 
 from omlx.cache.sizes import format_size
 from omlx.engine.device_fault import DEVICE
-from omlx.errors import InsufficientMemoryError, InvalidRequestError, ModelNotFoundError
+from omlx.errors import (
+    InsufficientMemoryError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    OMLXError,
+)
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
 from omlx.pool.memory import estimate_model_bytes
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
@@ -74,6 +80,15 @@ class Entry:
     @property
     def memory(self) -> int:
         return self.engine.memory_bytes or self.estimate
+
+
+def _load_failure(model_id: str, exc: Exception) -> OMLXError:
+    """What a request for a model whose load failed is told: our own errors as they are, any
+    other (a bad config, unreadable weights) as the model's unavailability, never a 500."""
+    if isinstance(exc, OMLXError):
+        return exc
+    log.warning("model %s could not be loaded: %s: %s", model_id, type(exc).__name__, exc)
+    return ModelLoadError(model_id, exc)
 
 
 def freeze_heap(unfreeze: bool = False) -> None:
@@ -198,11 +213,17 @@ class EnginePool:
         log.info("loading %s (%s, estimated %s)", info.id, resolved.type, format_size(estimate))
         self.loading.add(info.id)
         tic = time.perf_counter()
-        engine = factory(info, resolved.settings)
+        try:
+            engine = factory(info, resolved.settings)
+        except Exception as exc:
+            self.loading.discard(info.id)
+            raise _load_failure(info.id, exc) from exc
         try:
             await engine.wait_ready()
-        except BaseException:
+        except BaseException as exc:
             engine.shutdown()
+            if isinstance(exc, Exception):
+                raise _load_failure(info.id, exc) from exc
             raise
         finally:
             self.loading.discard(info.id)

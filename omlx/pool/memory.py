@@ -22,10 +22,25 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32
 TARGET_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+# The safetensors format caps its JSON header at 100 MB.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
 def _headers(path: Path) -> dict:
+    """A safetensors file's header; ValueError for a file that is not one (its first 8 bytes
+    would otherwise ask to read any length)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+        if n > min(MAX_HEADER_BYTES, path.stat().st_size - 8):
+            raise ValueError(f"{path.name} is not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict) or not all(
+        isinstance(meta, dict) and isinstance(meta.get("shape"), list) and isinstance(meta.get("dtype"), str)
+        for name, meta in header.items()
+        if name != "__metadata__"
+    ):
+        raise ValueError(f"{path.name} is not a safetensors file (its header is not one)")
+    return header
 
 
 def estimate_model_bytes(info: ModelInfo, compute_dtype: str) -> int:
