@@ -22,15 +22,12 @@ restartable from the SSD.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -44,6 +41,7 @@ from omlx.cache.block_hash import (
     tail_keys,
     weights_digest,
 )
+from omlx.cache.cost_file import CostFile
 from omlx.cache.kv_layout import (
     KV_STACK,
     join_blocks,
@@ -52,7 +50,8 @@ from omlx.cache.kv_layout import (
     stack_group_bytes,
     stackable,
 )
-from omlx.cache.prefill_cost import PrefillCost, attention_ratio
+from omlx.cache.model_shapes import attention_ratio
+from omlx.cache.restore_model import RestoreModel, Throughput, log_judgement
 from omlx.cache.store import CacheStore
 from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.platform_info import discrete_gpu
@@ -72,20 +71,6 @@ MIN_TAIL_ONLY_TOKENS = 32
 # ~7 ms, 64 MB showed as 30 ms of queue; a 256-token block of an 8B model is 32 MB).
 WRITE_BACK_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 16 << 20
-# A slow tier is restored from only when its estimate beats recomputing by this factor. A
-# restore from host memory varies more than a prefill (on an H200 the same 1 GB from RAM took
-# 0.82 and 1.19 s, recomputing it 0.68-0.88 s): within a fifth of each other the two are a
-# coin toss whose loss is larger on the restore's side, so such close calls recompute.
-RESTORE_MARGIN = 0.8
-# The first restore from a tier never measured times a part of the run first: up to an eighth
-# of it, in groups of 1, 2, 4 ... blocks, while that is expected to stay within this share of
-# recomputing the whole run. An eighth at once cost a first SSD restore of 32,000 tokens of an
-# 8B model on an H200 1.0 s of disk reads (0.5 GB/s) before the run was recomputed (1.35 s).
-PROBE_SHARE = 0.1
-# A tier judged slower than recomputing this many times in a row is probed again the same way
-# (at most a tenth of one recompute every so many requests), so one slow measurement (a disk
-# busy with another process) does not turn it off for good.
-REPROBE_AFTER = 16
 # An idle engine times its SSD's restores (`PrefixCache.probe_idle`) on this much of its blocks
 # (at least one): a request arriving meanwhile may wait behind these reads on the reader threads.
 IDLE_PROBE_BYTES = 32 << 20
@@ -95,9 +80,6 @@ PREFETCH_MIN_BYTES = 16 << 20
 # A RAM run at least PREFETCH_MIN_BYTES large is moved into device memory by `advance`, this
 # much per engine loop (~30 ms at the ~2 GB/s of MLX's host -> device copies on CUDA).
 RESTORE_CHUNK = 64 << 20
-# One writer of measurement files at a time in the process: a reloaded model's new cache may
-# save while the old one's close does, through the same temporary file.
-_COSTS_LOCK = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -131,57 +113,12 @@ def _use_on_device(blocks: list[CacheBlock]) -> None:
     ])  # fmt: skip
 
 
-def _log_judgement(why: tuple[Any, ...] | None) -> None:
-    """The debug line of a restore-or-recompute decision (`PrefixCache._judge`)."""
-    if why is not None:
-        log.debug(
-            "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s"
-            " (prefill fit: %.4fs + %.3gs/token + %.3gs/token/context token)",
-            *why,
-        )
-
-
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-class Throughput:
-    """A tier's restore rate in bytes/s: decayed bytes over decayed seconds, so each restore
-    counts by its size. A one-block probe must not outvote a whole run: per byte, small
-    restores are faster (buffers reused, no fresh device pages), and on an H200 a probe
-    said ~8x the rate that 8,000 tokens then achieved."""
-
-    def __init__(self, decay: float = 0.7):
-        self.decay = decay
-        self._bytes = 0.0
-        self._seconds = 0.0
-        self.skipped = 0  # restores judged slower than recomputing since the last measurement
-
-    @property
-    def value(self) -> float | None:
-        return self._bytes / self._seconds if self._seconds > 0 else None
-
-    def observe(self, amount: float, seconds: float) -> None:
-        if seconds <= 0 or amount <= 0:
-            return
-        self._bytes = self.decay * self._bytes + amount
-        self._seconds = self.decay * self._seconds + seconds
-        self.skipped = 0
-
-    def forget(self) -> None:
-        """Drop what was measured (a probe is to replace it)."""
-        self._bytes = self._seconds = 0.0
-
-    def state(self) -> list[float]:
-        return [self._bytes, self._seconds]
-
-    def load(self, state: Any) -> None:
-        if state is not None:
-            self._bytes, self._seconds = (float(x) for x in state)
 
 
 class PrefixCache(PrefixCacheHooks):
@@ -193,12 +130,12 @@ class PrefixCache(PrefixCacheHooks):
         self.B = self.block_size = store.block_size
         self.num_layers = num_layers
         self.model_id = model_id
-        # recompute cost on this device, by length and depth (`attention`: the model's b/a)
-        self.prefill = PrefillCost(prior=attention)
-        self.ssd_rate = Throughput()  # bytes/s of SSD restores
-        self.warm_rate = Throughput()  # bytes/s of restores moved from host RAM (the warm tier)
-        self.warm_copy_rate = Throughput()  # ... and copied from it (a run the hot tier cannot keep)
-        self.bytes_per_token = 0
+        # restore or recompute: the prefill cost on this device and each slow tier's rate
+        self.costs = RestoreModel(model_id, attention)
+        self.prefill = self.costs.prefill
+        self.ssd_rate = self.costs.ssd_rate
+        self.warm_rate = self.costs.warm_rate
+        self.warm_copy_rate = self.costs.warm_copy_rate
         # stored blocks not yet handed to the SSD writer, oldest first, and the store's
         # generation they belong to; the lock because the hot tier may let one go on another
         # model's engine thread (`_left_device`)
@@ -229,17 +166,19 @@ class PrefixCache(PrefixCacheHooks):
             store.own(fingerprint)  # `write_back` copies its evicted blocks to RAM
         # parent key ("" = root) → children stored by this process, with their tokens
         self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
-        # What was measured survives a restart beside the SSD blocks, so the first restore
-        # after one is decided on this device's numbers (device kind in the name: a cache
-        # directory moved to other hardware starts over).
-        self._costs_path: Path | None = None
-        self._costs_saved = 0.0
-        self._costs_version = 0  # states handed to a writer thread, and the newest written
-        self._costs_written = 0
+        self.cost_file: CostFile | None = None  # the measurements outlive the process
         if store.ssd is not None:
             device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
-            self._costs_path = store.ssd.directory / "costs" / f"{fingerprint}-{device}.json"
-            self._load_costs()
+            self.cost_file = CostFile(store.ssd.directory / "costs" / f"{fingerprint}-{device}.json")
+            self.cost_file.load(self.costs)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.costs.bytes_per_token
+
+    @bytes_per_token.setter
+    def bytes_per_token(self, value: int) -> None:
+        self.costs.bytes_per_token = value
 
     # ----- lookup / restore ----------------------------------------------------------
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
@@ -349,13 +288,13 @@ class PrefixCache(PrefixCacheHooks):
         if not run:
             return [], False
         got: list[CacheBlock] = []
-        if (rate.value is None or rate.skipped >= REPROBE_AFTER) and self.prefill.observations:
+        if self.costs.due_probe(rate):
             # Never measured (or judged slower `REPROBE_AFTER` times in a row: measured once
             # under load, a tier would never be measured again), but the recompute side is
             # known: time a part of the run first, so even the first restore from a slow tier
             # is not much slower than recomputing (up to an eighth, not one block: per byte,
             # tiny restores are faster than large ones)
-            probe, budget = max(1, len(run) // 8), PROBE_SHARE * (self.prefill.seconds(len(run) * self.B, depth) or 0.0)
+            probe, budget = max(1, len(run) // 8), self.costs.probe_budget(len(run) * self.B, depth)
             seconds, group, gone = 0.0, 1, False
             while len(got) < probe:
                 tic = time.perf_counter()
@@ -376,7 +315,7 @@ class PrefixCache(PrefixCacheHooks):
             if gone:
                 return got, False
             run = run[len(got) :]
-        if run and not self._restore_pays(len(run) * self.B, depth + len(got) * self.B, rate):
+        if run and not self.costs.pays(len(run) * self.B, depth + len(got) * self.B, rate):
             rate.skipped += 1
             with self.tiers.counters.lock:
                 self.tiers.counters.skipped_restores += 1
@@ -411,8 +350,7 @@ class PrefixCache(PrefixCacheHooks):
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-            if not self.bytes_per_token:
-                self.bytes_per_token = got[0].nbytes // max(1, got[0].token_count)
+            self.costs.learn_size(got[0].nbytes, got[0].token_count)
             self.tiers.moved_in(sum(b.nbytes for b in got))
             for block in got:
                 self.tiers.hot.put(block)
@@ -454,7 +392,7 @@ class PrefixCache(PrefixCacheHooks):
         # so each decision is logged once, here for the runs made ready ahead
         ram_why: tuple[Any, ...] | None = None
         if ram_run:
-            pays, ram_why = self._judge(len(ram_run) * self.B, start * self.B, self.warm_rate)
+            pays, ram_why = self.costs.judge(len(ram_run) * self.B, start * self.B, self.warm_rate)
             if not pays:
                 return None  # `lookup` recomputes from there: no SSD block is used either
         run, ssd_why = [], None
@@ -462,7 +400,7 @@ class PrefixCache(PrefixCacheHooks):
             run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
         pays = len(run) * self.B * self.bytes_per_token >= PREFETCH_MIN_BYTES
         if pays:
-            pays, ssd_why = self._judge(len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate)
+            pays, ssd_why = self.costs.judge(len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate)
         if not pays:
             run = []
         block_bytes = self.B * self.bytes_per_token
@@ -482,8 +420,8 @@ class PrefixCache(PrefixCacheHooks):
                 run = []
         if not run and not ram_run:
             return None
-        _log_judgement(ram_why if ram_run else None)
-        _log_judgement(ssd_why if run else None)
+        log_judgement(ram_why if ram_run else None)
+        log_judgement(ssd_why if run else None)
         pending = Prefetch(run, futures, ram_run)
         left = [len(futures)]
         lock = threading.Lock()
@@ -575,31 +513,6 @@ class PrefixCache(PrefixCacheHooks):
         move = move and not (ssd is not None and ssd.writing(key))
         held = warm.take(key) if move else warm.get(key)
         return held.to_block(move=move) if held is not None else None
-
-    def _restore_pays(self, n_tokens: int, depth: int, rate: Throughput) -> bool:
-        """Restore from a tier (its measured bytes/s) only when that clearly beats recomputing
-        those tokens on this device (`RESTORE_MARGIN`), where they would be computed: after the
-        `depth` tokens before them (a run behind 20,000 hot tokens costs more to recompute than
-        the same run at the root, by the attention over those tokens)."""
-        pays, why = self._judge(n_tokens, depth, rate)
-        _log_judgement(why)
-        return pays
-
-    def _judge(self, n_tokens: int, depth: int, rate: Throughput) -> tuple[bool, tuple[Any, ...] | None]:
-        """`_restore_pays`' verdict, and its debug line's arguments (None when not logged)."""
-        recompute_s = self.prefill.seconds(n_tokens, depth)
-        if recompute_s is None or rate.value is None or not self.bytes_per_token:
-            return True, None  # no measurement yet: restoring is how we get one
-        restore_s = n_tokens * self.bytes_per_token / rate.value
-        pays = restore_s < RESTORE_MARGIN * recompute_s
-        if not log.isEnabledFor(logging.DEBUG):
-            return pays, None
-        tier = "SSD" if rate is self.ssd_rate else "RAM moves" if rate is self.warm_rate else "RAM copies"
-        c, a, b = self.prefill.terms()
-        return pays, (
-            self.model_id, n_tokens, depth, tier, restore_s, rate.value / 1e9, recompute_s,
-            "restore" if pays else "recompute", c, a, b,
-        )  # fmt: skip
 
     def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
         """The stored block after `parent` sharing the longest token prefix with `rest`.
@@ -727,8 +640,8 @@ class PrefixCache(PrefixCacheHooks):
         for block in reversed(blocks):
             hot.put(block)
         self._refresh_chain(chain)
-        if not self.bytes_per_token and blocks:
-            self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
+        if blocks:
+            self.costs.learn_size(blocks[0].nbytes, blocks[0].token_count)
         return rest
 
     def _refresh_chain(self, keys: list[str]) -> None:
@@ -854,7 +767,7 @@ class PrefixCache(PrefixCacheHooks):
             if all(f.done() for f in self._idle_probe):
                 self._finish_idle_probe()
             return
-        if ssd is None or not (rate.value is None or rate.skipped >= REPROBE_AFTER):
+        if ssd is None or not rate.stale:
             return
         count = ssd.block_count
         if count == self._idle_probe_none_at:  # nothing new since it held none of ours
@@ -878,8 +791,7 @@ class PrefixCache(PrefixCacheHooks):
         upload = time.perf_counter() - tic
         nbytes = sum(b.nbytes for b in blocks)
         seconds = max(r.finished for r in reads) - min(r.started for r in reads) + upload
-        if not self.bytes_per_token:
-            self.bytes_per_token = blocks[0].nbytes // max(1, blocks[0].token_count)
+        self.costs.learn_size(blocks[0].nbytes, blocks[0].token_count)
         self.ssd_rate.forget()  # a re-probe replaces what was measured
         self.ssd_rate.observe(nbytes, seconds)
         self._save_costs(force=True)
@@ -1007,62 +919,10 @@ class PrefixCache(PrefixCacheHooks):
     def prefill_seconds(self, tokens: int, depth: int) -> float | None:
         return self.prefill.seconds(tokens, depth)
 
-    # ----- measurements that outlive the process -----------------------------------------
-    def _load_costs(self) -> None:
-        try:
-            state = json.loads(self._costs_path.read_text())
-            self.prefill.load(state["prefill"])
-            self.ssd_rate.load(state.get("ssd_restores"))
-            self.warm_rate.load(state.get("warm_moves"))
-            # RAM restores saved before 2026-12-01 were all copies
-            self.warm_copy_rate.load(state.get("warm_copies") or state.get("warm_restores"))
-            self.bytes_per_token = int(state.get("bytes_per_token") or 0)
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # a bad file only costs the history
-            log.warning("ignoring the saved cache measurements in %s: %s", self._costs_path, exc)
-
     def _save_costs(self, force: bool = False, wait: bool = False) -> None:
-        """At most every few seconds (prefills are frequent); restores save at once. Written by
-        a short-lived thread: these calls come before a request's first token or in its
-        restore, and on the engine thread even a small file's write and rename can wait
-        behind the SSD writer's fsyncs. `wait` (the engine stops) writes here and now."""
-        now = time.monotonic()
-        if self._costs_path is None or (not force and now - self._costs_saved < 5.0):
-            return
-        self._costs_saved = now
-        state = {
-            "prefill": self.prefill.state(),
-            "ssd_restores": self.ssd_rate.state(),  # [bytes, seconds], decayed
-            "warm_moves": self.warm_rate.state(),
-            "warm_copies": self.warm_copy_rate.state(),
-            "bytes_per_token": self.bytes_per_token,
-        }
-        self._costs_version += 1
-        job = (self._costs_version, json.dumps(state))
-        if wait:
-            self._write_costs(*job)
-        else:
-            try:
-                threading.Thread(target=self._write_costs, args=job, name="omlx-cache-costs", daemon=True).start()
-            except RuntimeError as exc:  # no thread to be had (interpreter shutdown): next time
-                log.warning("could not save the cache measurements: %s", exc)
-
-    def _write_costs(self, version: int, text: str) -> None:
-        """Write one saved state unless a newer one was written already (threads may finish
-        out of order)."""
-        assert self._costs_path is not None
-        with _COSTS_LOCK:
-            if version <= self._costs_written:
-                return
-            tmp = self._costs_path.with_name(f"{self._costs_path.name}.{os.getpid()}.tmp")
-            try:
-                self._costs_path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(text)
-                os.replace(tmp, self._costs_path)
-                self._costs_written = version
-            except OSError as exc:  # a full or read-only disk: the cache works on without history
-                log.warning("could not save the cache measurements to %s: %s", self._costs_path, exc)
+        """Save the measurements (`CostFile.save`) when there is an SSD to keep them beside."""
+        if self.cost_file is not None:
+            self.cost_file.save(self.costs, force=force, wait=wait)
 
 
 def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:

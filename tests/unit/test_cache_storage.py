@@ -1032,7 +1032,7 @@ def test_attention_share_from_a_model_s_shapes() -> None:
     import mlx.nn as nn
     from mlx_lm.models import llama
 
-    from omlx.cache.prefill_cost import attention_ratio
+    from omlx.cache.model_shapes import attention_ratio
 
     args = llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,

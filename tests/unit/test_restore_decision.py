@@ -99,7 +99,7 @@ def test_ram_restores_saved_before_moves_count_as_copies(tmp_path: Path) -> None
     cache.observe_prefill(1000, 0, 0.5)
     cache.close(timeout=1.0)
     cache.tiers.ssd.close()
-    path = cache._costs_path
+    path = cache.cost_file.path
     state = json.loads(path.read_text())
     state.pop("warm_moves"), state.pop("warm_copies")
     path.write_text(json.dumps({**state, "warm_restores": [1.7e9, 1.0]}))
@@ -110,9 +110,9 @@ def test_ram_restores_saved_before_moves_count_as_copies(tmp_path: Path) -> None
 
 def test_an_older_measurement_finishing_late_does_not_overwrite_a_newer_one(tmp_path: Path) -> None:
     cache = open_cache(tmp_path)
-    cache._write_costs(2, '{"newer": true}')
-    cache._write_costs(1, '{"older": true}')  # a thread that started earlier and ran late
-    assert cache._costs_path.read_text() == '{"newer": true}'
+    cache.cost_file.write(2, '{"newer": true}')
+    cache.cost_file.write(1, '{"older": true}')  # a thread that started earlier and ran late
+    assert cache.cost_file.path.read_text() == '{"newer": true}'
     cache.tiers.ssd.close()
 
 
@@ -145,7 +145,7 @@ def test_an_unmeasured_tier_is_probed_up_to_an_eighth_in_growing_groups(tmp_path
 
 def test_a_tier_judged_slower_is_probed_again_after_a_while(tmp_path: Path) -> None:
     # measured once while the disk was busy, the SSD would otherwise never be used again
-    from omlx.cache.prefix_cache import REPROBE_AFTER
+    from omlx.cache.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -174,7 +174,7 @@ def probe_while_idle(cache: PrefixCache) -> None:
 def test_an_idle_engine_times_the_ssd_so_the_first_request_does_not(tmp_path: Path) -> None:
     # a fresh cache directory's first restore would time a part of the run inside the request
     # (0.09 s of a first TTFT at 8B on an H200); the idle engine before it times it instead
-    from omlx.cache.prefix_cache import REPROBE_AFTER
+    from omlx.cache.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -324,7 +324,7 @@ def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
 
 
 def test_restore_rate_weighs_each_restore_by_its_size() -> None:
-    from omlx.cache.prefix_cache import Throughput
+    from omlx.cache.restore_model import Throughput
 
     rate = Throughput()
     rate.observe(2e6, 2e6 / 8e9)  # a one-block probe: 8 GB/s
@@ -594,7 +594,7 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
     # pieces go only while idle: a follow-up arriving first makes its conversation's store finish
     import asyncio
 
-    from omlx.cache import prefix_cache
+    from omlx.cache import prefix_cache, restore_model
     from omlx.engine.llm_engine import LLMEngine
 
     warm = HotTier(1 << 30)
@@ -610,7 +610,7 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
         # what is asked here is whether the blocks are there, not whether restoring them beats
         # recomputing: on an H200 the tiny model's 144 tokens are a near-tie (a RAM copy 0.003 s
         # vs 0.005 s), which once went to recomputing after the one-block probe
-        monkeypatch.setattr(prefix_cache, "RESTORE_MARGIN", float("inf"))
+        monkeypatch.setattr(restore_model, "RESTORE_MARGIN", float("inf"))
         first, _ = await answer(engine, "first", prompt, 4)
         return await answer(engine, "next", prompt + first + [11, 12, 13], 2)
 
