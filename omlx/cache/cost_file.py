@@ -29,6 +29,7 @@ class CostFile:
         self._saved = 0.0
         self._version = 0  # states handed to a writer thread
         self._written = 0  # the newest written
+        self.unsaved = False  # a save was skipped for `SAVE_EVERY_S`: the newest state is not saved
 
     def load(self, model: RestoreModel) -> None:
         """Load the saved measurements into `model`; a missing or bad file only costs history."""
@@ -44,8 +45,9 @@ class CostFile:
         engine thread may not wait behind the SSD writer's fsyncs), or here with `wait`."""
         now = time.monotonic()
         if not force and now - self._saved < SAVE_EVERY_S:
+            self.unsaved = True
             return
-        self._saved = now
+        self._saved, self.unsaved = now, False
         self._version += 1
         job = (self._version, json.dumps(model.state()))
         if wait:

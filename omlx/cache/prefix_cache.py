@@ -42,6 +42,7 @@ from omlx.cache.block_hash import (
     weights_digest,
 )
 from omlx.cache.cost_file import CostFile
+from omlx.cache.interface import NoCache, PrefixCacheInterface
 from omlx.cache.kv_layout import (
     KV_STACK,
     join_blocks,
@@ -53,7 +54,6 @@ from omlx.cache.kv_layout import (
 from omlx.cache.model_shapes import attention_ratio
 from omlx.cache.restore_model import RestoreModel, Throughput, log_judgement
 from omlx.cache.store import CacheStore
-from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.platform_info import discrete_gpu
 
 log = logging.getLogger("omlx.cache")
@@ -121,7 +121,11 @@ def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     return i
 
 
-class PrefixCache(PrefixCacheHooks):
+class PrefixCache:
+    """One model's prefix cache over the shared tiers (`PrefixCacheInterface`)."""
+
+    grid = 0  # the engine's prefill grid (`PrefixCacheInterface.grid`)
+
     def __init__(
         self, store: CacheStore, fingerprint: str, num_layers: int, model_id: str, attention: float | None = None
     ):
@@ -746,6 +750,17 @@ class PrefixCache(PrefixCacheHooks):
             self._hand_to_ssd(self._host_copy(block))  # else copied to host memory here
         return more or (handed > 0 and bool(self._unwritten))
 
+    def tick(self, idle: bool) -> bool:
+        """Engine thread, once per loop: `write_back`; then, idle with nothing left to move,
+        `probe_idle` and the save of measurements a throttled save left behind. True while
+        more waits."""
+        more = self.write_back(idle)
+        if idle and not more:
+            self.probe_idle()
+            if self.cost_file is not None and self.cost_file.unsaved:
+                self._save_costs(force=True)
+        return more
+
     def probe_idle(self) -> None:
         """Engine thread, while idle: where the SSD's restore rate is unknown (the first start
         on a cache directory) or due again (`REPROBE_AFTER`), read up to `IDLE_PROBE_BYTES` of
@@ -925,12 +940,12 @@ class PrefixCache(PrefixCacheHooks):
             self.cost_file.save(self.costs, force=force, wait=wait)
 
 
-def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheHooks:
+def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheInterface:
     """The factory the engine pool calls on the engine thread after a model loads."""
     ok, reason = sliceable(loaded.model)
     if not ok:
         log.warning("model %s is served without the prefix cache: %s", loaded.info.id, reason)
-        return PrefixCacheHooks()
+        return NoCache()
     fp = model_fingerprint(
         loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, "kv", store.block_size
     )
