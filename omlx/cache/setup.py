@@ -7,10 +7,10 @@ import shutil
 import psutil
 
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import WRITE_BACK_BOUND_GPU
 from omlx.cache.sizes import parse_size
 from omlx.cache.ssd_tier import SSDTier
 from omlx.cache.store import CacheStore
+from omlx.cache.write_back import WRITE_BACK_BOUND_GPU
 from omlx.errors import ConfigError
 from omlx.platform_info import discrete_gpu, gpu_memory_bytes
 from omlx.settings import Settings

@@ -205,7 +205,7 @@ class SSDTier:
             with self._lock:
                 self._counters["misses"] += mark
             return None
-        except Exception as exc:  # noqa: BLE001 - never raise to the caller
+        except Exception as exc:  # noqa: BLE001 - the reader threads' boundary: never raise to the caller
             self._discard(key, path, exc)
             with self._lock:
                 self._counters["misses"] += mark

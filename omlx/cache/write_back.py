@@ -1,0 +1,144 @@
+"""Write-back: stored blocks wait in device memory and are handed to the SSD writer later,
+a bounded piece per engine loop, so no step waits for a whole prompt's device -> host copy.
+Mixed into `PrefixCache`. Why and the figures: docs/design/write-back.md."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from omlx.cache.block import CacheBlock, HostBlock
+
+log = logging.getLogger("omlx.cache")
+
+# Blocks that may wait for the SSD in device memory while a CUDA engine is busy (beyond it,
+# the oldest are handed over between steps); at most WRITE_BACK_CHUNK bytes per engine loop,
+# so a step, or a request arriving at an idle engine, waits for at most that much copying, or
+# one block where a block is larger (device -> host ran at ~2.4 GB/s on an H200: 16 MB is
+# ~7 ms, 64 MB showed as 30 ms of queue; a 256-token block of an 8B model is 32 MB).
+WRITE_BACK_BOUND_GPU = 1 << 30
+WRITE_BACK_CHUNK = 16 << 20
+
+
+class WriteBack:
+    """`write_back` of `PrefixCache` and the blocks that wait for it (`_unwritten`)."""
+
+    def _unwritten_block(self, key: str) -> CacheBlock | None:
+        with self._unwritten_lock:
+            self._drop_unwritten_if_cleared()
+            return self._unwritten.get(key)
+
+    def _in_device_memory(self, key: str) -> bool:
+        """Held in the hot tier, or let go by it but still waiting for the SSD or for RAM."""
+        return self.tiers.hot.contains(key) or key in self._unwritten or self.tiers.leaving(key)
+
+    def _on_device(self, key: str) -> CacheBlock | None:
+        """A block the hot tier let go that device memory still holds: one waiting for the SSD
+        writer, or for its copy to RAM (taken back: no copy is needed now), or both."""
+        leaving = self.tiers.reclaim(key)
+        block = self._unwritten_block(key)
+        return block if block is not None else leaving
+
+    def hold_writes(self, on: bool) -> None:
+        if self.tiers.ssd is not None:
+            self.tiers.ssd.hold_writes(self, on)
+
+    def write_back(self, idle: bool) -> bool:
+        """Copy this model's blocks the hot tier let go to RAM (`CacheStore.demote`), then hand
+        stored blocks to the SSD writer, oldest first: each up to `WRITE_BACK_CHUNK` bytes (at
+        least one block), when `idle` or beyond their bounds, while the writer has room. True
+        when some were moved and more wait."""
+        more = self.tiers.demote_bound > 0 and self.tiers.demote(self.fp, WRITE_BACK_CHUNK, due=idle)
+        ssd = self.tiers.ssd
+        if not self._unwritten or ssd is None:  # the common case, after every engine step
+            return more
+        handed = 0
+        while True:
+            with self._unwritten_lock:
+                self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
+                if not self._unwritten:
+                    break
+                evicted = next((k for k in self._evicted if k in self._unwritten), None)
+                if evicted is None:
+                    self._evicted.clear()  # any left were handed over or dropped meanwhile
+                    block = next(iter(self._unwritten.values()))
+                else:
+                    self._evicted.discard(evicted)
+                    block = self._unwritten[evicted]
+                if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
+                    break
+                due = idle or evicted is not None or self._unwritten_bytes > self.write_back_bound
+                if not due or not ssd.has_room():
+                    if evicted is not None:
+                        self._evicted.add(evicted)
+                    break
+                self._take_unwritten(block)
+            handed += block.nbytes
+            self._hand_to_ssd(self._host_copy(block))  # else copied to host memory here
+        return more or (handed > 0 and bool(self._unwritten))
+
+    def _host_copy(self, block: CacheBlock) -> CacheBlock | HostBlock:
+        """The RAM tier's copy of `block` if it has one (no second device -> host copy); made
+        now for one that waits for it (`CacheStore.demote`), so that one copy serves both."""
+        warm = self.tiers.warm
+        if warm is None:
+            return block
+        if self.tiers.reclaim(block.key) is not None:
+            return self.tiers.to_ram(block)
+        held = warm.peek(block.key)
+        return held if held is not None else block
+
+    def _left_device(self, block: CacheBlock, host: HostBlock | None) -> None:
+        """The hot tier let `block` go (on some engine thread). If it still waits for the SSD
+        it goes to the writer now, as `host` (the RAM tier's copy) when there is one: kept
+        waiting, it would hold device memory outside the hot tier's budget, and be copied
+        out a second time later. Without a RAM copy, another model's thread leaves the copy
+        to this engine's next `write_back`; a writer without room makes it wait too."""
+        with self._unwritten_lock:
+            self._drop_unwritten_if_cleared()
+            if block.key not in self._unwritten:
+                return
+            if host is None and threading.get_ident() != self._owner:
+                self._evicted.add(block.key)  # for this engine's thread to copy out, next loop
+                return
+            if not self.tiers.ssd.has_room():
+                return
+            self._take_unwritten(block)
+        self._hand_to_ssd(host if host is not None else block)
+
+    def _await_write_back(self, blocks: list[CacheBlock]) -> None:
+        """Just stored `blocks` wait for `write_back`, root first (the writer's order)."""
+        with self._unwritten_lock:
+            for block in blocks:
+                self._unwritten[block.key] = block
+                self._unwritten_bytes += block.nbytes
+            self._count_unwritten()
+
+    def _take_unwritten(self, block: CacheBlock) -> None:
+        # caller holds self._unwritten_lock
+        del self._unwritten[block.key]
+        self._unwritten_bytes -= block.nbytes
+        self._count_unwritten()
+
+    def _hand_to_ssd(self, block: CacheBlock | HostBlock) -> None:
+        try:
+            self.tiers.ssd.put(block)
+        except (RuntimeError, ValueError, OSError):  # that block is not written; caching is an optimisation
+            log.exception("handing block %s to the SSD writer failed", block.key)
+
+    def _drop_unwritten_if_cleared(self) -> None:
+        """After `CacheStore.clear()` (any thread) the blocks stored before it stay unwritten."""
+        with self._unwritten_lock:
+            if self._generation != self.tiers.generation:
+                self._generation = self.tiers.generation
+                self._evicted.clear()
+                self._unwritten.clear()
+                self._unwritten_bytes = 0
+                self._count_unwritten()
+
+    def _count_unwritten(self) -> None:
+        # caller holds self._unwritten_lock
+        c = self.tiers.counters
+        with c.lock:
+            c.unwritten_blocks += len(self._unwritten) - self._counted_unwritten
+        self._counted_unwritten = len(self._unwritten)
