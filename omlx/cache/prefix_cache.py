@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.cache import write_back
-from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.block import CacheBlock
 from omlx.cache.block_hash import (
     block_keys,
     chain_key,
@@ -78,30 +77,21 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         self.ssd_rate = self.costs.ssd_rate
         self.warm_rate = self.costs.warm_rate
         self.warm_copy_rate = self.costs.warm_copy_rate
-        # stored blocks not yet handed to the SSD writer, oldest first, and the store's
-        # generation they belong to; the lock because the hot tier may let one go on another
-        # model's engine thread (`_left_device`)
-        self._unwritten_lock = threading.RLock()
-        self._unwritten: OrderedDict[str, CacheBlock] = OrderedDict()
-        self._unwritten_bytes = 0
-        # unwritten blocks the hot tier let go on another model's thread, with no RAM copy:
-        # this engine's next `write_back` hands them over first (their device memory is
-        # outside the hot budget now, and their MLX arrays are best read on this thread)
-        self._evicted: set[str] = set()
+        # stored blocks not yet handed to the SSD writer wait in the store's directory
+        # (`write_back`); an unwritten block the hot tier let go on another model's thread,
+        # with no RAM copy, is handed over by this engine's thread (`_left_device`)
         self._owner = threading.get_ident()  # made on the engine thread (`make_prefix_cache`)
-        # blocks a finished prefetch read for the next lookup, the seconds their reads took per
-        # byte, and the read seconds of those `lookup` used (charged to the SSD's restore rate)
-        self._staged: dict[str, HostBlock] = {}
+        # blocks a finished prefetch read for the next lookup are staged in the directory; the
+        # seconds their reads took per byte, and the read seconds of those `lookup` used
+        # (charged to the SSD's restore rate)
         self._staged_s_per_byte = 0.0
         self._staged_read_s = 0.0
         # the block keys `prefetch` hashed, for the `lookup` of the same request (both are
         # asked at its admission; hashing 32,000 tokens takes 0.4 ms on this workplace's CPU)
         self._keys_ahead: tuple[list[int], int, list[str]] | None = None
-        self._counted_unwritten = 0  # what `CacheCounters.unwritten_blocks` has from this model
         self._idle_probe: list[Any] | None = None  # `probe_idle`'s reads in flight (futures)
         self._idle_probe_none_at = -1  # the SSD's block count when it held none of this model's
         self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
-        self._generation = store.generation
         if store.ssd is not None:
             store.follow(fingerprint, self._left_device)
         if store.demote_bound:
@@ -127,7 +117,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         try:
             return self._lookup(tokens)
         finally:  # one request's read-ahead; what it did not use goes
-            self._staged.clear()
+            self.tiers.directory.unstage_all(self.fp)
             self._staged_s_per_byte = self._staged_read_s = 0.0
 
     def _prompt_keys(self, tokens: list[int], keep: bool = False) -> list[str]:
@@ -146,7 +136,6 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         limit = len(tokens) - 1  # at least one token must be computed to get logits
         keys = self._prompt_keys(tokens)
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
-        self._drop_unwritten_if_cleared()
         blocks = self._device_run(keys, limit)
         restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
         skipped = False  # a slower tier held more, and recomputing it was judged faster
@@ -161,7 +150,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             )  # fmt: skip
             blocks += got
         if ssd is not None and not skipped:
-            run = self._run_in(keys, len(blocks), limit, lambda k: k in self._staged or ssd.contains(k, self.fp))
+            run = self._run_in(keys, len(blocks), limit, lambda k: self.tiers.directory.is_staged(k) or ssd.contains(k, self.fp))
             got, skipped = self._restore_run(run, len(blocks) * self.B, self._from_ssd, self.ssd_rate, restored)
             blocks += got
         if self._staged_read_s:  # the reads ahead of what was used count into the SSD's restore time
@@ -302,7 +291,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         tokens = tokens[:n_tokens]
         keys = block_keys(self.fp, tokens, self.B)
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
-        self._drop_unwritten_if_cleared()
+        generation = self.tiers.generation  # what is stored before a clear() is not written back
         # A block the hot tier cannot hold would be made (a device copy per layer) only to go
         # straight back to RAM: when RAM holds it, recomputing its tokens needs no new copy.
         ram_is_enough = self._only_ram_keeps_blocks()
@@ -330,7 +319,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             self.tails.remember(parent, key, tokens[a:b])
         mx.eval([t for b in blocks for t in b.tensors.values()])
         if ssd is not None:
-            self._await_write_back(blocks)
+            self._await_write_back(blocks, generation)
         # after: one the hot tier cannot keep goes to the SSD writer at once; deepest first, so
         # a chain longer than the hot tier keeps its first blocks (`_refresh_chain`)
         self.tiers.moved_in(sum(block.nbytes for block in blocks))
@@ -414,16 +403,13 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             self.tiers.disown(self.fp)
         self._save_costs(force=True, wait=True)  # the newest measurements, whatever was saved before
         deadline = time.monotonic() + timeout
-        while self._unwritten and time.monotonic() < deadline:
-            if not self.write_back(idle=True) and self._unwritten:
+        directory = self.tiers.directory
+        while directory.unwritten(self.fp) and time.monotonic() < deadline:
+            if not self.write_back(idle=True) and directory.unwritten(self.fp):
                 time.sleep(0.01)  # the writer's queue is full: let it drain
-        with self._unwritten_lock:
-            if self._unwritten:
-                log.warning("%d prefix-cache blocks of %s were not written to the SSD", len(self._unwritten), self.model_id)
-                self._unwritten.clear()
-                self._unwritten_bytes = 0
-                self._count_unwritten()
-            self._evicted.clear()
+        left = directory.drop_unwritten(self.fp)
+        if left:
+            log.warning("%d prefix-cache blocks of %s were not written to the SSD", left, self.model_id)
         self.tiers.unfollow(self.fp, self._left_device)
 
     # ----- bookkeeping ---------------------------------------------------------------

@@ -169,13 +169,13 @@ class ReadAhead:
     def take(self, prefetched: Prefetch) -> None:
         """Stage a finished prefetch's blocks for the next `lookup` (up to the first that
         could not be read)."""
-        self._staged.clear()
+        self.tiers.directory.unstage_all(self.fp)
         reads = []
-        for key, future in zip(prefetched.keys, prefetched.futures, strict=True):
+        for future in prefetched.futures:
             read = future.result() if future.done() and future.exception() is None else None
             if read is None or read.block is None:
                 break
-            self._staged[key] = read.block
+            self.tiers.directory.stage(read.block)
             reads.append(read)
         self._staged_read_s = 0.0
         if reads:  # from the first read's start to the last one's end (not time queued before)

@@ -1,21 +1,23 @@
 """The cache tiers every loaded model shares, and what happens to a block leaving device memory.
 
 Each model's `PrefixCache` (prefix_cache.py) keys its blocks by its model's fingerprint and
-decides what to restore; this module holds the tiers themselves, the process-wide counters,
-and the hand-off of blocks that the hot tier lets go: to host RAM, copied out on their own
-engine's thread, then to their model's `PrefixCache`, which hands them to the SSD writer.
+decides what to restore; this module holds the tiers themselves, the directory of blocks
+waiting between them (`residency.BlockDirectory`), the process-wide counters, and the
+hand-off of blocks that the hot tier lets go: to host RAM, copied out on their own engine's
+thread, then to their model's `PrefixCache`, which hands them to the SSD writer. Why they
+wait, with the measurements: docs/design/ram-moves.md.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.hot_tier import HotTier
+from omlx.cache.residency import BlockDirectory
 from omlx.cache.ssd_tier import SSDTier
 
 
@@ -29,7 +31,6 @@ class CacheCounters:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     skipped_restores: int = 0
-    unwritten_blocks: int = 0  # stored, not yet handed to the SSD writer (`write_back`)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> dict[str, Any]:
@@ -42,7 +43,6 @@ class CacheCounters:
                 "hit_tokens": self.hit_tokens,
                 "hit_rate": (self.hit_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0,
                 "skipped_restores": self.skipped_restores,
-                "unwritten_blocks": self.unwritten_blocks,
             }
 
 
@@ -67,14 +67,12 @@ class CacheStore:
         self.generation = 0  # bumped by clear(): blocks stored before it are not written back
         # model fingerprint -> what its PrefixCache does with a block the hot tier let go
         self._followers: dict[str, Callable[[CacheBlock, HostBlock | None], None]] = {}
-        # Blocks the hot tier let go that wait in device memory (up to `demote_bound` bytes) for
-        # their own engine to copy them to RAM (`demote`), between steps or when idle: copied
-        # at eviction, the device -> host copy (~2.4 GB/s on an H200: 0.16 s for 1 GB in the
-        # request log) held up the engine that stored, and every request behind it.
+        # Blocks the hot tier let go wait in device memory (up to `demote_bound` bytes) for their
+        # own engine to copy them to RAM (`demote`), between steps or when idle: copied at
+        # eviction, the copy would hold up the engine that stored, and every request behind it.
         self.demote_bound = demote_bound if self.warm is not None and hot.enabled else 0
-        self._leaving: OrderedDict[str, tuple[CacheBlock, int]] = OrderedDict()  # (block, generation)
-        self._leaving_bytes = 0
-        self._leaving_lock = threading.Lock()
+        self.directory = BlockDirectory()  # its lock guards the bookkeeping below too
+        self._leaving_lock = self.directory.lock
         self._restored = 0  # bytes restores moved into the hot tier since nothing waited (`moved_in`)
         # fingerprint -> engines (a reload may overlap the old engine's close) that demote its blocks
         self._owners: dict[str, int] = {}
@@ -114,25 +112,19 @@ class CacheStore:
         if not self.hot.can_hold(block.nbytes):  # never held by the hot tier: no device memory to spare
             return False
         with self._leaving_lock:
-            if block.key in self._leaving:  # taken back for the SSD writer, and let go again
-                self._leaving.move_to_end(block.key)
+            if self.directory.is_leaving(block.key):  # taken back for the SSD writer, and let go again
+                self.directory.leave(block, self.generation)  # refreshed in the order
                 return True
-            if block.fingerprint not in self._owners or self._leaving_bytes + block.nbytes > self._bound():
+            if block.fingerprint not in self._owners or self.directory.leaving_bytes + block.nbytes > self._bound():
                 return False
-            self._leaving[block.key] = (block, self.generation)
-            self._leaving_bytes += block.nbytes
+            self.directory.leave(block, self.generation)
         return True
 
     def moved_in(self, nbytes: int) -> None:
         """A restore or a store is about to put `nbytes` into the hot tier: the blocks that
         pushes out may wait in device memory for their copy to RAM that many bytes beyond
         `demote_bound` (up to the hot tier's size, until nothing waits), rather than be copied
-        out on the spot, by the engine's thread, while its requests wait: at 8B on an H200, a
-        4.2 GB restore from RAM that copied out as much as it brought in ran at 1.3 GB/s
-        instead of ~5; a prefetch that moved it a chunk per engine loop, copying out once past
-        the bound, at ~1.5 GB/s; and the store of a 32,000-token prompt into a full hot tier
-        kept the next request 2.1-3.6 s in the queue. The engine copies them when idle, or a
-        piece per step once they fill half of what may wait."""
+        out on the spot by the engine's thread while its requests wait (docs/design/ram-moves.md)."""
         if self.demote_bound:
             with self._leaving_lock:
                 self._restored += nbytes
@@ -143,16 +135,11 @@ class CacheStore:
 
     def leaving(self, key: str) -> bool:
         """Whether the block waits in device memory for its copy to RAM."""
-        with self._leaving_lock:
-            return key in self._leaving
+        return self.directory.is_leaving(key)
 
     def reclaim(self, key: str) -> CacheBlock | None:
         """A block waiting for its copy to RAM, taken back (it is wanted again: no copy)."""
-        with self._leaving_lock:
-            block, _ = self._leaving.pop(key, (None, 0))
-            if block is not None:
-                self._leaving_bytes -= block.nbytes
-        return block
+        return self.directory.reclaim(key)[0]
 
     def demote(self, fingerprint: str, limit: int, due: bool) -> bool:
         """On that model's engine thread: copy its blocks waiting to leave device memory to
@@ -162,18 +149,16 @@ class CacheStore:
         moved = 0
         while True:
             with self._leaving_lock:
-                block, generation = next(
-                    ((b, g) for b, g in self._leaving.values() if b.fingerprint == fingerprint), (None, 0)
-                )
+                block = self.directory.oldest_leaving(fingerprint)
                 if block is None:
-                    if not self._leaving:
+                    if not self.directory.any_leaving():
                         self._restored = 0
                     return False
-                urgent = self._leaving_bytes > self._bound() // 2
+                urgent = self.directory.leaving_bytes > self._bound() // 2
                 if not (due or urgent) or (moved and moved + block.nbytes > limit):
                     return True
-                del self._leaving[block.key]
-                self._leaving_bytes -= block.nbytes
+                block, generation = self.directory.reclaim(block.key)
+                assert block is not None
                 self._restored = max(0, self._restored - block.nbytes)  # a busy engine may never empty it
             moved += block.nbytes
             if generation != self.generation:  # stored before a clear(): dropped
@@ -206,17 +191,17 @@ class CacheStore:
         return {
             "block_size": self.block_size,
             **self.counters.snapshot(),
-            "demoting_bytes": self._leaving_bytes,  # evicted, waiting in device memory for the RAM copy
+            "unwritten_blocks": self.directory.unwritten_count(),  # stored, not yet handed to the SSD writer
+            "demoting_bytes": self.directory.leaving_bytes,  # evicted, waiting in device memory for the RAM copy
             "hot": self.hot.stats(),
             "warm": self.warm.stats() if self.warm else {"enabled": False},
             "ssd": self.ssd.stats() if self.ssd else {"enabled": False},
         }
 
     def clear(self) -> None:
-        self.generation += 1
         with self._leaving_lock:
-            self._leaving.clear()
-            self._leaving_bytes = 0
+            self.generation += 1
+            self.directory.clear()
             self._restored = 0
         self.hot.clear()
         if self.warm:

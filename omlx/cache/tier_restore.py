@@ -106,14 +106,14 @@ class TierRestore:
         a block the hot tier let go meanwhile) from the disk."""
         i = 0
         while i < len(run):
-            held = self._staged.pop(run[i], None)
+            held = self.tiers.directory.unstage(run[i])
             if held is not None:
                 self._staged_read_s += held.nbytes * self._staged_s_per_byte
                 yield held.to_block()
                 i += 1
                 continue
             j = i
-            while j < len(run) and run[j] not in self._staged:
+            while j < len(run) and not self.tiers.directory.is_staged(run[j]):
                 j += 1
             yield from self.tiers.ssd.get_many(run[i:j], self.fp)
             i = j

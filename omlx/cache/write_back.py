@@ -21,22 +21,20 @@ WRITE_BACK_CHUNK = 16 << 20
 
 
 class WriteBack:
-    """`write_back` of `PrefixCache` and the blocks that wait for it (`_unwritten`)."""
-
-    def _unwritten_block(self, key: str) -> CacheBlock | None:
-        with self._unwritten_lock:
-            self._drop_unwritten_if_cleared()
-            return self._unwritten.get(key)
+    """`write_back` of `PrefixCache`: its stored blocks wait in the store's directory
+    (`Residency.UNWRITTEN`) until they are handed to the SSD writer."""
 
     def _in_device_memory(self, key: str) -> bool:
         """Held in the hot tier, or let go by it but still waiting for the SSD or for RAM."""
-        return self.tiers.hot.contains(key) or key in self._unwritten or self.tiers.leaving(key)
+        return self.tiers.hot.contains(key) or self.tiers.directory.on_device(key)
 
     def _on_device(self, key: str) -> CacheBlock | None:
         """A block the hot tier let go that device memory still holds: one waiting for the SSD
         writer, or for its copy to RAM (taken back: no copy is needed now), or both."""
-        leaving = self.tiers.reclaim(key)
-        block = self._unwritten_block(key)
+        directory = self.tiers.directory
+        with directory.lock:
+            leaving = self.tiers.reclaim(key)
+            block = directory.unwritten_block(key)
         return block if block is not None else leaving
 
     def hold_writes(self, on: bool) -> None:
@@ -49,33 +47,24 @@ class WriteBack:
         least one block), when `idle` or beyond their bounds, while the writer has room. True
         when some were moved and more wait."""
         more = self.tiers.demote_bound > 0 and self.tiers.demote(self.fp, WRITE_BACK_CHUNK, due=idle)
-        ssd = self.tiers.ssd
-        if not self._unwritten or ssd is None:  # the common case, after every engine step
+        ssd, directory = self.tiers.ssd, self.tiers.directory
+        if ssd is None or not directory.unwritten(self.fp):  # the common case, after every engine step
             return more
         handed = 0
         while True:
-            with self._unwritten_lock:
-                self._drop_unwritten_if_cleared()  # a clear (event loop thread) may come any time
-                if not self._unwritten:
+            with directory.lock:
+                block, evicted = directory.next_unwritten(self.fp)
+                if block is None:
                     break
-                evicted = next((k for k in self._evicted if k in self._unwritten), None)
-                if evicted is None:
-                    self._evicted.clear()  # any left were handed over or dropped meanwhile
-                    block = next(iter(self._unwritten.values()))
-                else:
-                    self._evicted.discard(evicted)
-                    block = self._unwritten[evicted]
                 if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
                     break
-                due = idle or evicted is not None or self._unwritten_bytes > self.write_back_bound
+                due = idle or evicted or directory.unwritten_bytes(self.fp) > self.write_back_bound
                 if not due or not ssd.has_room():
-                    if evicted is not None:
-                        self._evicted.add(evicted)
                     break
-                self._take_unwritten(block)
+                directory.take_unwritten(block)
             handed += block.nbytes
             self._hand_to_ssd(self._host_copy(block))  # else copied to host memory here
-        return more or (handed > 0 and bool(self._unwritten))
+        return more or (handed > 0 and directory.unwritten(self.fp) > 0)
 
     def _host_copy(self, block: CacheBlock) -> CacheBlock | HostBlock:
         """The RAM tier's copy of `block` if it has one (no second device -> host copy); made
@@ -94,31 +83,27 @@ class WriteBack:
         waiting, it would hold device memory outside the hot tier's budget, and be copied
         out a second time later. Without a RAM copy, another model's thread leaves the copy
         to this engine's next `write_back`; a writer without room makes it wait too."""
-        with self._unwritten_lock:
-            self._drop_unwritten_if_cleared()
-            if block.key not in self._unwritten:
+        directory = self.tiers.directory
+        with directory.lock:
+            if directory.unwritten_block(block.key) is None:
                 return
             if host is None and threading.get_ident() != self._owner:
-                self._evicted.add(block.key)  # for this engine's thread to copy out, next loop
+                directory.mark_evicted(block.key)  # for this engine's thread to copy out, next loop
                 return
             if not self.tiers.ssd.has_room():
                 return
-            self._take_unwritten(block)
+            directory.take_unwritten(block)
         self._hand_to_ssd(host if host is not None else block)
 
-    def _await_write_back(self, blocks: list[CacheBlock]) -> None:
-        """Just stored `blocks` wait for `write_back`, root first (the writer's order)."""
-        with self._unwritten_lock:
+    def _await_write_back(self, blocks: list[CacheBlock], generation: int) -> None:
+        """Just stored `blocks` wait for `write_back`, root first (the writer's order), unless
+        the store was cleared since `generation` (what was stored before a clear is not written)."""
+        directory = self.tiers.directory
+        with directory.lock:
+            if generation != self.tiers.generation:
+                return
             for block in blocks:
-                self._unwritten[block.key] = block
-                self._unwritten_bytes += block.nbytes
-            self._count_unwritten()
-
-    def _take_unwritten(self, block: CacheBlock) -> None:
-        # caller holds self._unwritten_lock
-        del self._unwritten[block.key]
-        self._unwritten_bytes -= block.nbytes
-        self._count_unwritten()
+                directory.await_write(block)
 
     def _hand_to_ssd(self, block: CacheBlock | HostBlock) -> None:
         try:
@@ -126,19 +111,7 @@ class WriteBack:
         except (RuntimeError, ValueError, OSError):  # that block is not written; caching is an optimisation
             log.exception("handing block %s to the SSD writer failed", block.key)
 
-    def _drop_unwritten_if_cleared(self) -> None:
-        """After `CacheStore.clear()` (any thread) the blocks stored before it stay unwritten."""
-        with self._unwritten_lock:
-            if self._generation != self.tiers.generation:
-                self._generation = self.tiers.generation
-                self._evicted.clear()
-                self._unwritten.clear()
-                self._unwritten_bytes = 0
-                self._count_unwritten()
-
-    def _count_unwritten(self) -> None:
-        # caller holds self._unwritten_lock
-        c = self.tiers.counters
-        with c.lock:
-            c.unwritten_blocks += len(self._unwritten) - self._counted_unwritten
-        self._counted_unwritten = len(self._unwritten)
+    @property
+    def _unwritten_bytes(self) -> int:
+        """Bytes of this model's blocks waiting for the SSD writer."""
+        return self.tiers.directory.unwritten_bytes(self.fp)

@@ -335,7 +335,7 @@ def test_restore_rate_weighs_each_restore_by_its_size() -> None:
 def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(monkeypatch) -> None:
     """A hot tier too small for a block hands it to RAM; if RAM still holds that block (it was
     just restored from there), it is only refreshed: no second device -> host copy."""
-    from omlx.cache import prefix_cache
+    from omlx.cache.block import HostBlock
 
     warm = HotTier(1 << 30)
     cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
@@ -343,13 +343,13 @@ def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(mo
     cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
     assert warm.stats()["blocks"] == 5  # four full blocks and the partial tail
     copies = []
-    original = prefix_cache.HostBlock.of
+    original = HostBlock.of
 
     def counting(block, copy=False):  # counts device -> host copies, then makes them
         copies.append(block.key)
         return original(block, copy=copy)
 
-    monkeypatch.setattr(prefix_cache.HostBlock, "of", counting)
+    monkeypatch.setattr(HostBlock, "of", counting)
     cache.prefill.observe(100, 0, 100.0)  # recompute is slow: restore from RAM
     caches, n = cache.lookup(tokens)
     assert n == 4 * B and caches[0].offset == 4 * B
@@ -1509,7 +1509,7 @@ def test_a_block_waiting_for_both_the_ssd_and_ram_is_copied_out_once(tmp_path: P
     assert n == 6 * B - 1
 
     def consistent() -> bool:
-        return store.stats()["demoting_bytes"] == sum(b.nbytes for b, _ in store._leaving.values())
+        return store.stats()["demoting_bytes"] == sum(b.nbytes for b in store.directory.leaving_blocks())
 
     assert consistent()
     while cache.write_back(idle=True):
