@@ -24,7 +24,9 @@ class ReadPools:
 
     def __init__(self, workers: int) -> None:
         self.workers = max(1, int(workers))
-        self._lock = threading.Lock()
+        # reentrant: a read done before `add_done_callback` runs its callback (which takes the
+        # lock) in the thread that added it, with the lock held
+        self._lock = threading.RLock()
         self._closed = False
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._ahead: dict[str, Future[TimedRead]] = {}  # reads ahead in flight, by key
