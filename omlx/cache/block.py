@@ -61,10 +61,9 @@ class HostBlock:
     threads write and read.
 
     The RAM tier's blocks (`of(copy=True)`) are `staged`: their bytes are one MLX array made
-    from host bytes, and `host` views it. Its pages stay in host memory until the device
-    first uses them; then, on a CUDA GPU, they migrate there, which is the fastest way back
-    MLX has (6.7 GB/s on an H200 against 1.7 GB/s for an array made from host bytes at restore
-    time, `host_block_probe.py`). Other threads touch only `host` (bytes), never the array."""
+    from host bytes, and `host` views it; on a CUDA GPU its pages migrate to the device at
+    first use, the fastest way back MLX has (docs/design/ram-moves.md). Other threads touch
+    only `host` (bytes), never the array."""
 
     key: str
     parent: str | None
@@ -166,11 +165,8 @@ def host_reads_move_buffers() -> bool:
 def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
     """Host views of a copy of `tensors`, packed on the device into one new array: for the SSD
     writer, which reads a block the hot tier keeps. Read in place (`to_host`), each tensor's
-    buffer would become managed memory and the host's reads would pull its pages over; the
-    next device op on it faulted them back at ~7 GB/s (H200: a 32,000-token prompt of an 8B
-    model took 0.8 s to restore from the hot tier once the SSD had written it, 0.13 s before).
-    The copy goes instead, and one buffer reads faster than 64 (`staged_on_host`); a block
-    of one tensor (all layers stacked) is copied too."""
+    buffer would become managed memory whose pages the next device op faults back; the copy
+    goes instead, one tensor too (docs/design/write-back.md, "Host views for the writer")."""
     whole, layout = _packed(tensors)
     if whole is None:
         return {}
@@ -181,10 +177,9 @@ def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
 def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
     """`tensors` packed on the device (one concatenation, or a copy of a lone tensor), then
     copied out in one piece into a new MLX array whose pages the host writes, so they lie in
-    host memory (the device's are freed with the tensors); with views of it as host bytes. The array is what a restore hands
-    the device. On CUDA MLX's buffers are managed memory, which the host reads page by page
-    where the device holds it: a block as 64 arrays of 256 KB came out at 0.74 GB/s on an H200,
-    packed first 1.8 GB/s (`host_block_probe.py`)."""
+    host memory (the device's are freed with the tensors); with views of it as host bytes. The
+    array is what a restore hands the device. One buffer, since on CUDA the host reads managed
+    memory page by page (docs/design/ram-moves.md)."""
     whole, layout = _packed(tensors)
     if whole is None:
         return None, {}
@@ -229,8 +224,8 @@ def from_host(host: HostTensors, whole: mx.array | None = None) -> dict[str, mx.
     MLX array whose memory `host` views (a staged block), views of it instead of copies.
 
     Tensors that are views of one host buffer (a block packed for the RAM tier, or read from
-    one SSD file) become views of one MLX array: on an H200, 1 GB of KV as 4,000 arrays (one
-    per block, layer and keys/values) took 0.85 s to reach the GPU, as 32 arrays 0.25-0.46 s."""
+    one SSD file) become views of one MLX array: many small arrays reach the device far more
+    slowly (docs/design/ram-moves.md)."""
     if whole is not None:
         origin = _address(np.asarray(whole))
         return {
@@ -297,8 +292,8 @@ def checksum_host(host: HostTensors) -> str:
 
 
 def checksum_matches(host: HostTensors, stored: str) -> bool:
-    """Verify host bytes against a stored checksum: CRC-32 (written since 2026-11-30), or
-    SHA-256 (64 hex digits, the files written before), so existing cache files stay valid."""
+    """Verify host bytes against a stored checksum: CRC-32, or SHA-256 (64 hex digits, what
+    older files carry), so existing cache files stay valid."""
     if stored.startswith(CRC_PREFIX):
         return checksum_host(host) == stored
     h = hashlib.sha256(b"omlx-block-checksum-v1\0")
@@ -320,8 +315,7 @@ def checksum(tensors: Mapping[str, mx.array]) -> str:
 
     Stored with each SSD block and re-verified on load, so a flipped bit or a torn write is
     caught before it reaches the model (a file of another block fails the key and fingerprint
-    check first). CRC-32, not SHA-256: this guards against accidents, not adversaries, and on
-    the H200 host SHA-256 took half of the SSD writer's time and bounded reads to ~0.5 GB/s
-    (zlib's CRC-32: 7 GB/s vs 2 GB/s for SHA-256 on this development machine).
+    check first). CRC-32, not SHA-256: this guards against accidents, not adversaries, at a
+    fraction of the cost (docs/design/write-back.md).
     """
     return checksum_host(to_host(tensors))

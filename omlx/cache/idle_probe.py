@@ -35,13 +35,9 @@ class IdleProbe:
         on a cache directory) or due again (`REPROBE_AFTER`), read up to `IDLE_PROBE_BYTES` of
         this model's most recently used blocks on the reader threads, make them device arrays
         here, and take that as the rate, as `lookup` would time a part of a run: no request
-        pays for the timing then (at 8B on an H200 it was 0.09 s of the first one's TTFT after
-        a restart). Hits and the LRU order are left as they were; the blocks are dropped.
-        The prefill model is fitted to the latest prefills now too, not in the next request's
-        restore decision or its prefill's observation, both on its path to a first token (on
-        the H200 host, asking for a read-ahead took 2.3-2.6 ms where a RAM run was judged,
-        0.3 ms otherwise; the fit takes 0.05 ms on this project's 2-core CPU, so it is not
-        shown to be that difference)."""
+        pays for the timing then. Hits and the LRU order are left as they were; the blocks
+        are dropped. The prefill model is fitted to the latest prefills now too, off the next
+        request's path to its first token (docs/design/restore-or-recompute.md)."""
         try:
             self.prefill.terms()
         except (ArithmeticError, ValueError):  # a decision that needs it logs the failure; the SSD timing goes on

@@ -87,7 +87,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         self._staged_s_per_byte = 0.0
         self._staged_read_s = 0.0
         # the block keys `prefetch` hashed, for the `lookup` of the same request (both are
-        # asked at its admission; hashing 32,000 tokens takes 0.4 ms on this workplace's CPU)
+        # asked at its admission, and a long prompt's hashing is not free)
         self._keys_ahead: tuple[list[int], int, list[str]] | None = None
         self._idle_probe: list[Any] | None = None  # `probe_idle`'s reads in flight (futures)
         self._idle_probe_none_at = -1  # the SSD's block count when it held none of this model's
@@ -141,7 +141,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         skipped = False  # a slower tier held more, and recomputing it was judged faster
         if warm is not None:
             # moved when the hot tier can keep the whole run, else copied (RAM keeps it): each
-            # way has its own rate (6.4 vs 1.7 GB/s on an H200)
+            # way has its own rate (docs/design/restore-or-recompute.md)
             run = self._run_in(keys, len(blocks), limit, warm.contains)
             move = hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
             got, skipped = self._restore_run(
@@ -436,12 +436,9 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         return freed
 
     def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
-        """Store right after prefill only when at least a block's worth was computed: then the
-        copy is small next to the prefill; short prompts are stored when they finish. Not when
-        only RAM would keep the blocks: the whole prompt's KV would be copied device -> host
-        on the engine thread between the request's first and second token (on an H200, 2-3 s
-        for a 32,000-token prompt of a 1B model); stored at its end, the copy delays none of
-        its tokens."""
+        """Store right after prefill only when at least a block's worth was computed, and not
+        when only RAM would keep the blocks: the whole prompt's KV would be copied device ->
+        host between its first and second token (docs/design/write-back.md)."""
         return prompt_tokens - cached_tokens >= self.B and not self._only_ram_keeps_blocks()
 
     def _only_ram_keeps_blocks(self) -> bool:

@@ -22,7 +22,7 @@ log = logging.getLogger("omlx.cache")
 # decoding; smaller ones are read in `lookup`, where they stall the other streams only briefly.
 PREFETCH_MIN_BYTES = 16 << 20
 # A RAM run at least PREFETCH_MIN_BYTES large is moved into device memory by `advance`, this
-# much per engine loop (~30 ms at the ~2 GB/s of MLX's host -> device copies on CUDA).
+# much per engine loop (docs/design/ram-moves.md).
 RESTORE_CHUNK = 64 << 20
 
 
@@ -67,9 +67,8 @@ class ReadAhead:
 
     def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Prefetch | None:
         """Make ready, off the critical path, what `lookup(tokens)` would restore from the slow
-        tiers: done in `lookup`, it would stall every stream of the engine (a 32,000-token prompt
-        of an 8B model is 4 GB: seconds of disk, or ~2 s of host -> device copy from RAM). The
-        SSD run is read on the SSD tier's threads (`on_done` is called, on some thread, when
+        tiers: done in `lookup`, it would stall every stream of the engine for seconds of disk
+        or host -> device copies (docs/design/ram-moves.md). The SSD run is read on the SSD tier's threads (`on_done` is called, on some thread, when
         the reads are over); the RAM run is moved to device memory by `advance`, a chunk per
         engine loop while other requests run. Only runs of at least `PREFETCH_MIN_BYTES` that
         the measured rates say to restore; None when there is nothing to do ahead."""
@@ -122,10 +121,8 @@ class ReadAhead:
         run into device memory (the deepest blocks first, so its root ends the most recently
         used: `_refresh_chain`); with `alone` too (no other request runs, so no stream waits
         for this thread's next step) the whole run at once. True once the whole prefetch is
-        ready for `take` and `lookup`. A chunk per loop made the lone request wait through each
-        loop's bookkeeping as well: on an H200, 2.6 GB of an 8B prompt took 0.34 s of moves in
-        0.92 s over 39 loops, and a RAM rate timed over that wall time made the rest of the
-        prefix look slower to restore than to recompute."""
+        ready for `take` and `lookup`. Alone, a chunk per loop would make the lone request wait
+        through each loop's bookkeeping as well (docs/design/ram-moves.md)."""
         if move and prefetched.ram_keys:
             tic = time.perf_counter()
             moved: list[CacheBlock] = []

@@ -121,7 +121,7 @@ class TierRestore:
     def _from_warm(self, key: str, move: bool) -> CacheBlock | None:
         """A block held in host RAM as MLX arrays again, or None if RAM no longer has it. With
         `move` it leaves RAM and its staged arrays are used as they are (on a CUDA GPU their
-        pages migrate at first use: 4x faster than a copy); else RAM keeps it and the block is
+        pages migrate at first use, faster than a copy: docs/design/ram-moves.md); else RAM keeps it and the block is
         a copy, for a hot tier that could not keep it: it would only come back to RAM, copied
         out again. One the SSD writer has yet to read is copied too: its reads would pull the
         moved pages back to the host."""

@@ -14,8 +14,7 @@ log = logging.getLogger("omlx.cache")
 # Blocks that may wait for the SSD in device memory while a CUDA engine is busy (beyond it,
 # the oldest are handed over between steps); at most WRITE_BACK_CHUNK bytes per engine loop,
 # so a step, or a request arriving at an idle engine, waits for at most that much copying, or
-# one block where a block is larger (device -> host ran at ~2.4 GB/s on an H200: 16 MB is
-# ~7 ms, 64 MB showed as 30 ms of queue; a 256-token block of an 8B model is 32 MB).
+# one block where a block is larger (docs/design/write-back.md).
 WRITE_BACK_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 16 << 20
 
