@@ -6,8 +6,9 @@ hands over through ``on_evict``.
 
 Keys already include the model fingerprint, so blocks of different models live side by
 side and compete for the same budget; ``discard_fingerprint`` drops a model's blocks when
-it is unloaded for good. All methods take one lock: the engine thread, the SSD loader
-pool and the API threads (stats) may call in concurrently.
+it is unloaded for good. All methods take one lock (the block directory's, once a
+`CacheStore` shares it: `share_lock`): the engine threads and the API threads (stats) may
+call in concurrently.
 """
 
 from __future__ import annotations
@@ -33,10 +34,20 @@ class HotTier:
         self._blocks: OrderedDict[str, Any] = OrderedDict()  # oldest first
         self._sizes: dict[str, int] = {}
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock: threading.RLock = threading.RLock()
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The reentrant lock every method of this tier takes."""
+        return self._lock
+
+    def share_lock(self, lock: threading.RLock) -> None:
+        """Guard this tier with `lock` from now on (a `CacheStore` shares one lock among its
+        tiers and its block directory); only before the tier is in use."""
+        self._lock = lock
 
     @property
     def max_bytes(self) -> int:

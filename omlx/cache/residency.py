@@ -1,11 +1,10 @@
-"""Where each block waits outside the tiers' budgets: one `Residency` per key in one
-`BlockDirectory` under one lock, for every model of the process.
+"""Where each block is: one `Residency` per key (`CacheStore.residency`), kept by one
+`BlockDirectory` under one lock for every model of the process.
 
-A block the hot tier keeps, RAM keeps or the SSD holds is in that tier's LRU; the directory
-holds what lies between: stored blocks waiting in device memory for the SSD writer, blocks
-the hot tier let go that wait in device memory for their copy to RAM, and blocks read ahead
-from the SSD for the next lookup. Callers that must decide on several states at once hold
-`lock` (reentrant) around the calls.
+The directory holds what lies between the tiers (blocks waiting in device memory for the SSD
+writer or for their copy to RAM, blocks read ahead for the next lookup); the hot and RAM tiers'
+LRUs are guarded by the same lock (`HotTier.share_lock`), the SSD tier's by its own. Callers
+that decide on several states at once hold `lock` (reentrant) around the calls.
 """
 
 from __future__ import annotations
@@ -20,13 +19,21 @@ from omlx.cache.block import CacheBlock, HostBlock
 
 
 class Residency(enum.Flag):
-    """A block's state outside the tiers' LRUs; one value per key (flags that may combine)."""
+    """A block's state: one value per key, of flags that may combine (a hot block may be
+    unwritten, a RAM block on the SSD too)."""
 
     NONE = 0
+    HOT = enum.auto()  # in the hot tier (device memory, within its budget)
+    RAM = enum.auto()  # in the RAM tier (host memory)
+    WRITING = enum.auto()  # queued for the SSD writer or being written
+    SSD = enum.auto()  # a file of the SSD tier
     UNWRITTEN = enum.auto()  # stored, waits in device memory to be handed to the SSD writer
     EVICTED = enum.auto()  # unwritten, let go by the hot tier on another model's thread
     LEAVING = enum.auto()  # let go by the hot tier, waits in device memory for its copy to RAM
     STAGED = enum.auto()  # read ahead from the SSD (host bytes) for the next lookup
+
+
+ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.LEAVING  # device memory holds it
 
 
 @dataclass
@@ -41,8 +48,8 @@ class BlockDirectory:
     """Each key's `Residency` and what it holds, with the orders the waits are served in
     (unwritten: per model, oldest stored first; leaving: oldest let go first)."""
 
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
+    def __init__(self, lock: threading.RLock | None = None) -> None:
+        self.lock = lock if lock is not None else threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._unwritten: dict[str, OrderedDict[str, None]] = {}  # fingerprint -> keys
         self._unwritten_bytes: dict[str, int] = {}

@@ -8,6 +8,7 @@ import logging
 import threading
 
 from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.residency import ON_DEVICE
 
 log = logging.getLogger("omlx.cache")
 
@@ -25,7 +26,7 @@ class WriteBack:
 
     def _in_device_memory(self, key: str) -> bool:
         """Held in the hot tier, or let go by it but still waiting for the SSD or for RAM."""
-        return self.tiers.hot.contains(key) or self.tiers.directory.on_device(key)
+        return bool(self.tiers.residency(key) & ON_DEVICE)
 
     def _on_device(self, key: str) -> CacheBlock | None:
         """A block the hot tier let go that device memory still holds: one waiting for the SSD

@@ -108,3 +108,31 @@ def test_every_state_change_is_under_the_one_lock() -> None:
         assert not changed.wait(0.2) and d.state("a") == Residency.NONE
     t.join(5)
     assert changed.is_set() and d.state("a") == Residency.UNWRITTEN
+
+
+def test_a_store_answers_each_block_s_residency_across_its_tiers(tmp_path) -> None:
+    import numpy as np
+
+    from omlx.cache.block import HostBlock
+    from omlx.cache.hot_tier import HotTier
+    from omlx.cache.ssd_tier import SSDTier
+    from omlx.cache.store import CacheStore
+
+    ssd = SSDTier(tmp_path, 1 << 20)
+    assert ssd.wait_ready(10)
+    store = CacheStore(HotTier(1000), ssd, 16, warm=HotTier(1000))
+    assert store.hot.lock is store.directory.lock is store.warm.lock  # one lock
+    hot, ram = Block("a" * 64), Block("b" * 64)
+    store.hot.put(hot)
+    store.warm.put(ram)
+    store.directory.await_write(hot)
+    assert store.residency(hot.key) == Residency.HOT | Residency.UNWRITTEN
+    assert store.residency(ram.key) == Residency.RAM
+    host = {"kv": ("uint8", (4,), np.arange(4, dtype=np.uint8))}
+    written = HostBlock(ram.key, None, "m", 16, ["kv"], host)
+    assert ssd.put(written) and ssd.flush(10)
+    assert store.residency(ram.key, "m") == Residency.RAM | Residency.SSD
+    assert store.residency(ram.key) == Residency.RAM  # the SSD asked only with a fingerprint
+    store.clear()
+    assert store.residency(hot.key, "m") == Residency.NONE
+    store.close()
