@@ -32,13 +32,9 @@ HostTensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 
 @dataclass
 class CacheBlock:
-    """One block of KV state; ``tensors`` must be evaluated arrays owned by this block.
-
-    ``parent`` is the previous block's key (``None`` for the first block), which lets a
-    tier or a debugging tool walk a chain without the tokens. ``layer_types`` records per
-    layer what kind of cache the tensors came from (``"kv"``, ``"rotating"``, ``"mamba"``
-    ...) so a restore can rebuild the right cache objects.
-    """
+    """One block of KV state: evaluated arrays it owns, for `token_count` tokens after the
+    block `parent` (None: the root); `layer_types` says per layer which cache kind the tensors
+    rebuild ("kv", "rotating", "mamba" ...)."""
 
     key: str
     parent: str | None
@@ -57,13 +53,9 @@ class CacheBlock:
 
 @dataclass
 class HostBlock:
-    """A block as bytes in host memory: what the warm (RAM) tier keeps and what the SSD
-    threads write and read.
-
-    The RAM tier's blocks (`of(copy=True)`) are `staged`: their bytes are one MLX array made
-    from host bytes, and `host` views it; on a CUDA GPU its pages migrate to the device at
-    first use, the fastest way back MLX has (docs/design/ram-moves.md). Other threads touch
-    only `host` (bytes), never the array."""
+    """A block as host bytes (`host`): what the RAM tier keeps and the SSD threads write and
+    read. A RAM block is `staged`: one MLX array that `host` views (docs/design/ram-moves.md);
+    other threads touch only `host`, never the array."""
 
     key: str
     parent: str | None
@@ -110,11 +102,8 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def host_view(t: mx.array) -> np.ndarray:
-    """A C-contiguous numpy array with exactly ``t``'s bytes (``t`` is evaluated if needed).
-
-    numpy has no bfloat16, so bf16 is reinterpreted as uint16 first (bit-identical).
-    Runs on the CPU stream so it is safe from any thread (writer, loader pool).
-    """
+    """A C-contiguous numpy array with exactly `t`'s bytes (bf16 viewed as uint16), made on
+    the CPU stream so it is safe from any thread."""
     with mx.stream(mx.cpu):
         if t.dtype == mx.bfloat16:
             t = t.view(mx.uint16)
@@ -123,11 +112,8 @@ def host_view(t: mx.array) -> np.ndarray:
 
 
 def to_host(tensors: Mapping[str, mx.array]) -> HostTensors:
-    """The raw bytes of each tensor in host memory (zero-copy for evaluated CPU arrays).
-
-    This is the MLX side of moving a block to or from the SSD: call it on the thread that
-    owns the model (the engine), so the SSD threads only ever touch bytes, never MLX.
-    """
+    """The raw bytes of each tensor in host memory (zero-copy for evaluated CPU arrays); call
+    on the thread that owns the model, so that the SSD threads only touch bytes."""
     return {
         name: (dtype_name(t.dtype), tuple(t.shape), host_view(t).reshape(-1).view(np.uint8))
         for name, t in tensors.items()
@@ -163,10 +149,8 @@ def host_reads_move_buffers() -> bool:
 
 
 def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
-    """Host views of a copy of `tensors`, packed on the device into one new array: for the SSD
-    writer, which reads a block the hot tier keeps. Read in place (`to_host`), each tensor's
-    buffer would become managed memory whose pages the next device op faults back; the copy
-    goes instead, one tensor too (docs/design/write-back.md, "Host views for the writer")."""
+    """Host views of a copy of `tensors` packed on the device into one new array, for the SSD
+    writer to read a block the hot tier keeps without moving its buffers (docs/design/write-back.md)."""
     whole, layout = _packed(tensors)
     if whole is None:
         return {}
@@ -175,11 +159,8 @@ def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
 
 
 def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
-    """`tensors` packed on the device (one concatenation, or a copy of a lone tensor), then
-    copied out in one piece into a new MLX array whose pages the host writes, so they lie in
-    host memory (the device's are freed with the tensors); with views of it as host bytes. The
-    array is what a restore hands the device. One buffer, since on CUDA the host reads managed
-    memory page by page (docs/design/ram-moves.md)."""
+    """`tensors` packed on the device and copied out in one piece into a new MLX array whose
+    pages lie in host memory, with views of it as host bytes: a RAM block (docs/design/ram-moves.md)."""
     whole, layout = _packed(tensors)
     if whole is None:
         return None, {}
@@ -220,12 +201,8 @@ def _itemsize(dt: str) -> int:
 
 
 def from_host(host: HostTensors, whole: mx.array | None = None) -> dict[str, mx.array]:
-    """MLX arrays from host bytes (the inverse of `to_host`; engine thread); with `whole`, the
-    MLX array whose memory `host` views (a staged block), views of it instead of copies.
-
-    Tensors that are views of one host buffer (a block packed for the RAM tier, or read from
-    one SSD file) become views of one MLX array: many small arrays reach the device far more
-    slowly (docs/design/ram-moves.md)."""
+    """MLX arrays from host bytes (engine thread), views of one array where the bytes lie in
+    one buffer; with `whole` (a staged block's array), views of it instead of copies."""
     if whole is not None:
         origin = _address(np.asarray(whole))
         return {
@@ -311,11 +288,6 @@ def _checksum_entries(host: HostTensors) -> Iterable[tuple[bytes, memoryview]]:
 
 
 def checksum(tensors: Mapping[str, mx.array]) -> str:
-    """CRC-32 over tensor names, dtypes, shapes and raw bytes, in sorted name order.
-
-    Stored with each SSD block and re-verified on load, so a flipped bit or a torn write is
-    caught before it reaches the model (a file of another block fails the key and fingerprint
-    check first). CRC-32, not SHA-256: this guards against accidents, not adversaries, at a
-    fraction of the cost (docs/design/write-back.md).
-    """
+    """CRC-32 over tensor names, dtypes, shapes and raw bytes in sorted name order: stored with
+    each SSD block and verified on load, against accidents, not adversaries (docs/design/write-back.md)."""
     return checksum_host(to_host(tensors))

@@ -108,13 +108,9 @@ class HotTier:
         return 0 < self._max_bytes and nbytes <= self._max_bytes
 
     def put(self, block: CacheBlock) -> bool:
-        """Store ``block``, evicting least recently used blocks to fit (they go to
-        ``on_evict``, the next tier, if any).
-
-        Returns False (and stores nothing here) when the tier is disabled or the block alone
-        is larger than the whole budget; such a block goes straight to ``on_evict``. Putting a
-        key already present only refreshes it.
-        """
+        """Keep `block` as the most recently used, evicting the least recently used to fit (to
+        `on_evict`); False (the block itself goes to `on_evict`) when the tier is off or the block
+        exceeds its budget. A key already present is only refreshed."""
         size = block.nbytes
         evicted = []
         with self._lock:

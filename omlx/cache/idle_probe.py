@@ -31,13 +31,9 @@ class IdleProbe:
         return more
 
     def probe_idle(self) -> None:
-        """Engine thread, while idle: where the SSD's restore rate is unknown (the first start
-        on a cache directory) or due again (`REPROBE_AFTER`), read up to `IDLE_PROBE_BYTES` of
-        this model's most recently used blocks on the reader threads, make them device arrays
-        here, and take that as the rate, as `lookup` would time a part of a run: no request
-        pays for the timing then. Hits and the LRU order are left as they were; the blocks
-        are dropped. The prefill model is fitted to the latest prefills now too, off the next
-        request's path to its first token (docs/design/restore-or-recompute.md)."""
+        """Engine thread, while idle: where the SSD's rate is unknown or due again, time reads of
+        this model's most recent blocks (up to `IDLE_PROBE_BYTES`, counted as no hits), and fit the
+        prefill model, so that no request pays for either (docs/design/restore-or-recompute.md)."""
         try:
             self.prefill.terms()
         except (ArithmeticError, ValueError):  # a decision that needs it logs the failure; the SSD timing goes on

@@ -25,10 +25,9 @@ class PrefixCacheInterface(Protocol):
         ...
 
     def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Any | None:
-        """Start making ready, off the critical path, what `lookup(tokens)` would restore from
-        slow tiers; None when nothing is worth doing ahead. `on_done` is called (any thread)
-        when background reads are over; the result's `needs_engine` says whether `advance`
-        still has work for the engine thread."""
+        """Start making ready off the critical path what `lookup(tokens)` would restore from slow
+        tiers (None: nothing worth it); `on_done` is called (any thread) when reads are over, and
+        the result's `needs_engine` says whether `advance` has engine-thread work left."""
         ...
 
     def advance(self, prefetched: Any, move: bool, alone: bool = False) -> bool:

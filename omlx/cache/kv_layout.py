@@ -83,12 +83,9 @@ def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
 def join_blocks(
     parts: list[tuple[CacheBlock, int]], num_layers: int, max_elements: int = MAX_ARRAY_ELEMENTS
 ) -> list[KVCache]:
-    """One KV cache per layer from a chain's blocks; `(block, n)` uses the block's first n
-    tokens. Blocks that stack every layer (`KV_STACK`) are joined with one copy each per group
-    of layers, and each layer's keys and values are views of its group's array (a copy per
-    layer and block is several times slower: docs/design/ram-moves.md). A group holds at most
-    `JOIN_GROUP_BYTES` and `max_elements`; it lives until its last layer's cache has grown out
-    of it (the next chunk)."""
+    """One KV cache per layer from a chain's blocks (`(block, n)`: its first n tokens); stacked
+    blocks are joined with one copy each per group of layers of at most `JOIN_GROUP_BYTES` and
+    `max_elements`, each layer's arrays views of its group's (docs/design/ram-moves.md)."""
     if all(KV_STACK in block.tensors for block, _ in parts):
         stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
         rows, heads, _, dim = stacks[0].shape

@@ -9,12 +9,9 @@ import mlx.nn as nn
 
 
 def attention_ratio(model: Any) -> float | None:
-    """The attention term's share against the per-token term (b/a of `PrefillCost`) that a
-    plain transformer's shapes give: per query token and context token, attention does
-    heads·head_dim multiply-adds twice a layer (QKᵀ, then AV); per token, the linear layers
-    do as many as they have weights. None where a layer's work is not told by that: weights
-    of more than two dimensions (mixtures of experts, convolutions of state-space layers),
-    or attention over a sliding window."""
+    """The attention term against the per-token term (b/a of `PrefillCost`) that a plain
+    transformer's shapes give; None where its layers' work is not told by them (weights of more
+    than two dimensions, a sliding window). Reasons: docs/design/restore-or-recompute.md."""
     args, layers = getattr(model, "args", None), getattr(model, "layers", None)
     heads = getattr(args, "num_attention_heads", None)
     hidden = getattr(args, "hidden_size", None)

@@ -92,10 +92,9 @@ class PrefillCost:
         return self._fitted
 
     def _fit_sums(self) -> tuple[float, float, float]:
-        """(c, a, b): all three terms where the observations tell them apart, none comes out
-        negative and b/a agrees with the prior (within `PRIOR_SPAN`), else without the fixed
-        term; failing both, b = prior·a with the fixed term fitted, else without; with no
-        prior, the per-token cost alone."""
+        """(c, a, b) of all three terms where the observations tell them apart, none negative and
+        b/a within `PRIOR_SPAN` of the prior; else without the fixed term; else b = prior·a (with the
+        fixed term, then without); with no prior, the per-token cost alone."""
         xx, xt, prior = self._xx, self._xt, self.prior
         for terms in ((0, 1, 2), (1, 2)):
             coef = _solve([[xx[i][j] for j in terms] for i in terms], [xt[i] for i in terms])

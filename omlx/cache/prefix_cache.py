@@ -229,13 +229,9 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         return run
 
     def _find_tail(self, parent: str | None, rest: list[int], hot_only: bool = False) -> tuple[CacheBlock | None, int]:
-        """The stored block after `parent` sharing the longest token prefix with `rest`.
-
-        Exact partial blocks are found by key (this also works after a restart); blocks
-        stored by this process are also matched token by token, so a conversation whose
-        template re-renders history differently (dropped reasoning, edited tail) still
-        reuses everything up to the first differing token. Returns (block, usable tokens).
-        """
+        """The stored block after `parent` sharing the longest token prefix with `rest`, and how
+        many tokens of it are usable: exact partial blocks by key (also after a restart), then this
+        process's blocks token by token (`TailIndex`)."""
         best: tuple[CacheBlock | None, int] = (None, 0)
         keys = tail_keys(self.fp, parent, rest[: self.B - 1])
         for length in range(len(keys), 0, -1):
@@ -280,13 +276,9 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
 
     # ----- store ---------------------------------------------------------------------
     def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
-        """Store every full block not cached yet, and the unfinished tail as a partial block,
-        from token `start` on.
-
-        When only RAM keeps blocks, a finished sequence's blocks are made and copied out
-        `WRITE_BACK_CHUNK` bytes (at least one block) per call, root first, and the token
-        where the rest begins is returned (0: all stored): the engine calls again from there
-        while idle, so a request arriving waits for one piece of the copy, not all of it."""
+        """Store every full block not cached yet and the unfinished tail as a partial block, from
+        token `start` on; 0 when done, else where the blocks left for a later call begin (when only
+        RAM keeps blocks a finished sequence is stored `WRITE_BACK_CHUNK` a call: write-back.md)."""
         n_tokens = min(len(tokens), cache[0].offset if cache else 0)
         tokens = tokens[:n_tokens]
         keys = block_keys(self.fp, tokens, self.B)
@@ -350,24 +342,21 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         return chain, new
 
     def _refresh_chain(self, keys: list[str]) -> None:
-        """Mark one chain's blocks (root first) used in every tier holding them, deepest first,
-        so its root ends the most recently used. Each tier evicts its least recently used block
-        first: refreshed root first, a chain would lose its first blocks first, and a chain
-        without its first block serves no lookup (they all start at the root) while its other
-        blocks still take room. Deepest first, eviction takes chains from their ends, as a
-        prefix tree evicts leaves. The lower tiers are refreshed too: a prefix served from
-        device memory for hours must not be what the SSD's budget drops first."""
+        """Mark one chain's blocks (root first) used in every tier holding them, deepest first, so
+        its root ends the most recently used and eviction takes chains from their ends."""
+        # Root first, a chain would lose its first blocks first, and a chain without its first
+        # block serves no lookup while its other blocks still take room; deepest first, eviction
+        # takes chains from their ends, as a prefix tree evicts leaves. The lower tiers too: a
+        # prefix served from device memory for hours must not be what the SSD's budget drops.
         order = keys[::-1]
         for tier in (self.tiers.hot, self.tiers.warm, self.tiers.ssd):
             if tier is not None:
                 tier.touch_many(order)
 
     def _make_blocks(self, cache: list[Any], specs: list[tuple[str, str | None, int, int]]) -> list[CacheBlock]:
-        """Blocks of `cache` for `(key, parent, start, end)` token ranges. On a GPU stacked
-        blocks (`KV_STACK`) are cut from one stack of each run of adjacent ranges, up to
-        `STACK_GROUP_BYTES` at a time: 2 x layers + n copies for n blocks, not 2 x layers x n
-        (4,000 launches for 32,000 tokens of a 1B Llama, every one a wait for the streams
-        the engine decodes meanwhile), at the price of copying the bytes twice."""
+        """Blocks of `cache` for `(key, parent, start, end)` token ranges; on a GPU, stacked blocks
+        are cut from one stack of each run of adjacent ranges (`STACK_GROUP_BYTES` at a time), far
+        fewer launches for the price of copying twice (docs/design/ram-moves.md)."""
         if not specs:
             return []
         if not stackable(cache):

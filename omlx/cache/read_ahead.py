@@ -66,12 +66,9 @@ class ReadAhead:
     """`prefetch`, `advance` and `take` of `PrefixCache` (its tiers, keys and restore model)."""
 
     def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Prefetch | None:
-        """Make ready, off the critical path, what `lookup(tokens)` would restore from the slow
-        tiers: done in `lookup`, it would stall every stream of the engine for seconds of disk
-        or host -> device copies (docs/design/ram-moves.md). The SSD run is read on the SSD tier's threads (`on_done` is called, on some thread, when
-        the reads are over); the RAM run is moved to device memory by `advance`, a chunk per
-        engine loop while other requests run. Only runs of at least `PREFETCH_MIN_BYTES` that
-        the measured rates say to restore; None when there is nothing to do ahead."""
+        """Make ready off the critical path what `lookup(tokens)` would restore from the slow tiers:
+        the SSD run read on the reader threads (`on_done` when over), the RAM run left to `advance`;
+        only runs of `PREFETCH_MIN_BYTES` the rates say to restore; None when nothing is to do."""
         ssd, hot, warm = self.tiers.ssd, self.tiers.hot, self.tiers.warm
         if (ssd is None and warm is None) or not self.bytes_per_token:
             return None
@@ -117,12 +114,9 @@ class ReadAhead:
         return Prefetch(run, futures, ram_run)
 
     def advance(self, prefetched: Prefetch, move: bool, alone: bool = False) -> bool:
-        """Engine thread, once per loop: with `move`, put up to `RESTORE_CHUNK` bytes of the RAM
-        run into device memory (the deepest blocks first, so its root ends the most recently
-        used: `_refresh_chain`); with `alone` too (no other request runs, so no stream waits
-        for this thread's next step) the whole run at once. True once the whole prefetch is
-        ready for `take` and `lookup`. Alone, a chunk per loop would make the lone request wait
-        through each loop's bookkeeping as well (docs/design/ram-moves.md)."""
+        """Engine thread, once per loop: with `move`, up to `RESTORE_CHUNK` bytes of the RAM run
+        into device memory, deepest first (all of it when `alone`: docs/design/ram-moves.md); True
+        once the whole prefetch is ready for `take` and `lookup`."""
         if move and prefetched.ram_keys:
             tic = time.perf_counter()
             moved: list[CacheBlock] = []

@@ -37,12 +37,8 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
 
 
 def parse_size(text: str, *, total: int | None) -> int:
-    """Return the number of bytes ``text`` names.
-
-    Accepts ``"800000"``, ``"2GB"``, ``"512MiB"``, ``"1.5G"``, ``"0"`` and ``"20%"`` (a share
-    of ``total``, e.g. of system RAM or of the disk). Raises ``ValueError`` with a message
-    that says what was wrong and what is accepted.
-    """
+    """The bytes `text` names: "800000", "2GB", "512MiB", "1.5G", "0", or "20%" (a share of
+    `total`); a ValueError saying what was wrong and what is accepted."""
     if not isinstance(text, str):
         raise ValueError(f"size must be a string, got {type(text).__name__}")
     m = _PATTERN.match(text)

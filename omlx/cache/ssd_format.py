@@ -40,12 +40,8 @@ def is_key(text: str) -> bool:
 
 
 def read_header(path: Path | str, file_size: int | None = None) -> dict[str, str]:
-    """The ``__metadata__`` of a block file, after checking the file is whole.
-
-    Reads only the 8-byte length and the JSON header, never tensor data, and checks that
-    the file is exactly as long as the header's data offsets say (catches truncation and
-    appended garbage). Raises ``CorruptBlockFile``; ``FileNotFoundError`` passes through.
-    """
+    """The `__metadata__` of a block file, read from its header only, after checking the file is
+    exactly as long as the header says; raises `CorruptBlockFile` (`FileNotFoundError` passes)."""
     with open(path, "rb") as f:
         if file_size is None:
             file_size = os.fstat(f.fileno()).st_size

@@ -47,13 +47,9 @@ _tmp_counter = itertools.count()  # process-wide, so two tiers never pick the sa
 
 
 class SSDTier:
-    """Persistent block store under ``cache_dir`` with an LRU byte budget.
-
-    ``max_bytes == 0`` disables the tier (no directory is touched, no thread started).
-    The index is rebuilt from file headers on the writer thread, so start-up never waits
-    for it; until it is done, lookups fall back to the file system (paths are derived from
-    keys). One ``SSDTier`` per directory per process.
-    """
+    """Persistent block store under `cache_dir` with an LRU byte budget (0: off, nothing touched).
+    The index is rebuilt from file headers on the writer thread; until then lookups ask the file
+    system. One `SSDTier` per directory per process."""
 
     def __init__(
         self,
@@ -157,9 +153,7 @@ class SSDTier:
 
     def read_ahead(self, keys: Sequence[str], fingerprint: str) -> list[Future[TimedRead]]:
         """Start reading and verifying blocks (bytes only) on threads of their own, so that
-        `get_many` never queues behind them; each future gives a `TimedRead`, its block None
-        as `get` would. For a caller with other work to do meanwhile: the engine keeps
-        decoding while a request's prefix comes off the disk."""
+        `get_many` never queues behind them; each future gives a `TimedRead` (block None as `get`)."""
         return self._reads.ahead(keys, lambda k: self._timed_read(k, fingerprint), shared=True)
 
     def read_unmarked(self, keys: Sequence[str], fingerprint: str) -> list[Future[TimedRead]]:
@@ -363,10 +357,8 @@ class SSDTier:
     # ------------------------------------------------------------------ writer thread
 
     def hold_writes(self, holder: object, on: bool) -> None:
-        """While any holder is on, the writer starts no new file. Serialising and checksumming
-        a block takes the GIL and memory bandwidth from an engine thread whose lone prefill is
-        all of a request's TTFT; a prefill lasts seconds at most, and `HOLD_MAX_S` bounds the
-        wait should a holder never let go."""
+        """While any holder is on, the writer starts no new file (a lone prefill's TTFT), for at
+        most `HOLD_MAX_S` (docs/design/write-back.md)."""
         with self._lock:
             if on:
                 self._holders.add(holder)

@@ -47,14 +47,9 @@ class CacheCounters:
 
 
 class CacheStore:
-    """The tiers shared by every loaded model; block keys include the model fingerprint.
-
-    `warm` (host RAM, for discrete GPUs) receives the blocks the hot tier evicts, as host
-    bytes; the hot tier's evictions happen on the engine thread that stores, so the copy
-    out of device memory does too. Each model's `PrefixCache` follows the evictions of its
-    blocks (`follow`): one that still waits for the SSD goes to the writer then, as the RAM
-    tier's copy where there is one, so device memory never holds blocks outside the hot
-    tier's budget and no block is copied out twice."""
+    """The tiers every loaded model shares (keys include the model fingerprint), the directory
+    of blocks between them, and the hand-off of blocks the hot tier lets go: to RAM as host
+    bytes, then to their model's `PrefixCache` (`follow`), which hands them to the SSD writer."""
 
     def __init__(
         self, hot: HotTier, ssd: SSDTier | None, block_size: int, warm: HotTier | None = None, demote_bound: int = 0
@@ -124,10 +119,9 @@ class CacheStore:
         return True
 
     def moved_in(self, nbytes: int) -> None:
-        """A restore or a store is about to put `nbytes` into the hot tier: the blocks that
-        pushes out may wait in device memory for their copy to RAM that many bytes beyond
-        `demote_bound` (up to the hot tier's size, until nothing waits), rather than be copied
-        out on the spot by the engine's thread while its requests wait (docs/design/ram-moves.md)."""
+        """A restore or a store is about to put `nbytes` into the hot tier: the blocks it pushes out
+        may wait that many bytes beyond `demote_bound` for their copy to RAM (up to the hot tier's
+        size, until nothing waits: docs/design/ram-moves.md)."""
         if self.demote_bound:
             with self._leaving_lock:
                 self._restored += nbytes
@@ -161,10 +155,9 @@ class CacheStore:
         return self.directory.reclaim(key)[0]
 
     def demote(self, fingerprint: str, limit: int, due: bool) -> bool:
-        """On that model's engine thread: copy its blocks waiting to leave device memory to
-        RAM, oldest first, up to `limit` bytes (at least one block), when `due` (an idle
-        engine) or while they fill more than half of what may wait (`_bound`). True when some
-        still wait."""
+        """On that model's engine thread: copy its blocks waiting to leave device memory to RAM,
+        oldest first, up to `limit` bytes (one at least), when `due` or while they fill over half of
+        what may wait; True when some still wait."""
         moved = 0
         while True:
             with self._leaving_lock:

@@ -35,11 +35,9 @@ class TierRestore:
         rate: Throughput,
         restored: list[tuple[Throughput, int, float]],
     ) -> tuple[list[CacheBlock], bool]:
-        """`run` (the keys a lower tier holds, from where device memory's end: `depth` tokens
-        in), restored (and promoted to hot) when that beats recomputing them there, and whether
-        some were left for recomputing instead; `fetch` yields None for a block that has gone
-        meanwhile, which ends the run. What was restored and its time so far go to `restored`,
-        for `lookup` to observe once the model's cache is built."""
+        """Restore `run` (keys a lower tier holds, `depth` tokens in) into the hot tier when that
+        beats recomputing it there; (blocks got, whether some were left to recompute). Restores and
+        their time so far go to `restored`; a block gone meanwhile (`fetch` gives None) ends the run."""
         if not run:
             return [], False
         got: list[CacheBlock] = []
@@ -119,12 +117,9 @@ class TierRestore:
             i = j
 
     def _from_warm(self, key: str, move: bool) -> CacheBlock | None:
-        """A block held in host RAM as MLX arrays again, or None if RAM no longer has it. With
-        `move` it leaves RAM and its staged arrays are used as they are (on a CUDA GPU their
-        pages migrate at first use, faster than a copy: docs/design/ram-moves.md); else RAM keeps it and the block is
-        a copy, for a hot tier that could not keep it: it would only come back to RAM, copied
-        out again. One the SSD writer has yet to read is copied too: its reads would pull the
-        moved pages back to the host."""
+        """A block from host RAM as MLX arrays, or None if RAM no longer has it: with `move` it
+        leaves RAM (its staged array used as it is), else a copy that RAM keeps (also for one the SSD
+        writer has yet to read). Why: docs/design/ram-moves.md."""
         warm, ssd = self.tiers.warm, self.tiers.ssd
         move = move and not (ssd is not None and ssd.writing(key))
         held = warm.take(key) if move else warm.get(key)

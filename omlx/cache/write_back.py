@@ -42,10 +42,9 @@ class WriteBack:
             self.tiers.ssd.hold_writes(self, on)
 
     def write_back(self, idle: bool) -> bool:
-        """Copy this model's blocks the hot tier let go to RAM (`CacheStore.demote`), then hand
-        stored blocks to the SSD writer, oldest first: each up to `WRITE_BACK_CHUNK` bytes (at
-        least one block), when `idle` or beyond their bounds, while the writer has room. True
-        when some were moved and more wait."""
+        """Copy this model's let-go blocks to RAM (`CacheStore.demote`), then hand stored blocks to
+        the SSD writer, oldest first, up to `WRITE_BACK_CHUNK` bytes (one at least) when `idle` or
+        past their bound, while it has room; True when some moved and more wait."""
         more = self.tiers.demote_bound > 0 and self.tiers.demote(self.fp, WRITE_BACK_CHUNK, due=idle)
         ssd, directory = self.tiers.ssd, self.tiers.directory
         if ssd is None or not directory.unwritten(self.fp):  # the common case, after every engine step
@@ -78,11 +77,9 @@ class WriteBack:
         return held if held is not None else block
 
     def _left_device(self, block: CacheBlock, host: HostBlock | None) -> None:
-        """The hot tier let `block` go (on some engine thread). If it still waits for the SSD
-        it goes to the writer now, as `host` (the RAM tier's copy) when there is one: kept
-        waiting, it would hold device memory outside the hot tier's budget, and be copied
-        out a second time later. Without a RAM copy, another model's thread leaves the copy
-        to this engine's next `write_back`; a writer without room makes it wait too."""
+        """The hot tier let `block` go (any engine thread): if it waits for the SSD it goes to the
+        writer now, as `host` (its RAM copy) where there is one; without one, another model's thread
+        leaves it to this engine's next `write_back`, as does a writer without room."""
         directory = self.tiers.directory
         with directory.lock:
             if directory.unwritten_block(block.key) is None:
