@@ -1,12 +1,6 @@
-"""The unit of caching: one immutable block of KV state and its integrity checksum.
-
-A block holds, for ``token_count`` tokens at a fixed place in a prefix, every layer's
-tensors: one ``"kv"`` tensor of all layers' keys and values where the layers share a shape
-(``kv_layout.KV_STACK``), else a tensor per layer and kind (``"0.keys"``, ``"0.values"``
-...). It is content-addressed by
-``key`` (see ``block_hash.block_keys``), so it is never mutated once built and can be
-shared by any number of requests and tiers.
-"""
+"""The unit of caching: one immutable, content-addressed block of KV state (every layer's
+tensors for `token_count` tokens at a fixed place in a prefix, `block_hash.block_keys`), its
+host-bytes form, and its integrity checksum."""
 
 from __future__ import annotations
 

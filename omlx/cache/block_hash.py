@@ -1,11 +1,6 @@
-"""Stable identities for cache blocks: model fingerprints and chained block keys.
-
-Keys must survive restarts and be identical across processes, so everything here is
-SHA-256 over explicit byte encodings (never Python's ``hash()``, which is salted per run).
-A block key commits to the model fingerprint, to its parent's key and to its own tokens,
-so equal keys mean "same model, same whole prefix": a block can only be reused behind
-exactly the prefix it was computed for.
-"""
+"""Stable identities for cache blocks: model fingerprints and chained block keys, SHA-256 over
+explicit byte encodings (never the salted `hash()`); equal keys mean same model, same whole
+prefix, so a block is only reused behind exactly the prefix it was computed for."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""The in-memory tiers: an LRU of blocks under one byte budget shared by all loaded models.
-
-The hot tier holds ``CacheBlock``s (MLX arrays where the model computes); on a discrete GPU
-the warm tier is another instance holding ``HostBlock``s (host bytes) that the hot tier
-hands over through ``on_evict``.
-
-Keys already include the model fingerprint, so blocks of different models live side by
-side and compete for the same budget; ``discard_fingerprint`` drops a model's blocks when
-it is unloaded for good. All methods take one lock (the block directory's, once a
-`CacheStore` shares it: `share_lock`): the engine threads and the API threads (stats) may
-call in concurrently.
-"""
+"""The in-memory tiers: a thread-safe LRU of blocks under one byte budget shared by all loaded
+models (keys include the fingerprint): the hot tier of `CacheBlock`s and, on a discrete GPU,
+the RAM tier of `HostBlock`s that the hot tier hands its evictions to (`on_evict`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""What an engine asks of a prefix cache (`PrefixCacheInterface`), and the cache that caches
-nothing (`NoCache`, for `--no-cache` and for models the prefix cache cannot serve).
-
-Every method is called on the engine's thread unless its docstring says otherwise.
-"""
+"""What an engine asks of a prefix cache (`PrefixCacheInterface`; every method on the engine's
+thread unless it says otherwise), and the cache that caches nothing (`NoCache`: `--no-cache`,
+and models the prefix cache cannot serve)."""
 
 from __future__ import annotations
 

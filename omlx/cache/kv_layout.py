@@ -1,10 +1,6 @@
-"""How a block's tensors hold a model's KV cache, and how blocks become the model's cache again.
-
-Where every layer's keys and values share a shape, a block keeps them as one tensor
-(`KV_STACK`); a restore then joins n blocks with n copies and each layer is a view of the
-result. Models whose layers differ keep a tensor per layer and kind, the format of blocks
-written before the stacked one (SSD format 1), which still loads.
-"""
+"""How a block's tensors hold a model's KV cache (one `KV_STACK` tensor where every layer's
+keys and values share a shape, else a tensor per layer and kind, the older format), and how
+blocks become the model's cache again."""
 
 from __future__ import annotations
 

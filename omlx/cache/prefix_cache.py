@@ -1,11 +1,6 @@
-"""One model's prefix cache (`PrefixCacheInterface`): find, restore and store its KV blocks
-over the tiers every model shares (`store.CacheStore`); all MLX work on the engine thread.
-
-Each stored sequence also leaves its unfinished tail as a partial block keyed by (parent
-block, its exact tokens), so the next turn of a conversation prefills only its new tokens.
-Its parts: `tier_restore` (restores below device memory), `read_ahead`, `write_back`,
-`idle_probe`, `tail_index`; the decisions are `restore_model`'s.
-"""
+"""One model's prefix cache (`PrefixCacheInterface`): find, restore and store its KV blocks,
+full ones and each sequence's unfinished tail, over the tiers every model shares; its parts
+are `tier_restore`, `read_ahead`, `write_back`, `idle_probe`, `tail_index`, `restore_model`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Where each block is: one `Residency` per key (`CacheStore.residency`), kept by one
-`BlockDirectory` under one lock for every model of the process.
-
-The directory holds what lies between the tiers (blocks waiting in device memory for the SSD
-writer or for their copy to RAM, blocks read ahead for the next lookup); the hot and RAM tiers'
-LRUs are guarded by the same lock (`HotTier.share_lock`), the SSD tier's by its own. Callers
-that decide on several states at once hold `lock` (reentrant) around the calls.
-"""
+"""Where each block is: one `Residency` per key (`CacheStore.residency`), the states between
+the tiers kept by one `BlockDirectory` under one lock that the hot and RAM tiers share
+(`HotTier.share_lock`); callers deciding on several states hold `lock` (reentrant)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Parse human-written byte sizes for the cache and memory limits.
-
-Used for ``--hot-cache-max-size``, ``--ssd-cache-max-size`` and ``--max-model-memory``.
-Rule, so nobody has to guess: a unit with an ``i`` is binary (KiB = 1024), a unit without
-one is decimal (KB = K = 1000), as in Kubernetes. ``"20%"`` is a share of ``total``.
-"""
+"""Parse human-written byte sizes (`--hot-cache-max-size`, `--ssd-cache-max-size`,
+`--max-model-memory`): a unit with an `i` is binary (KiB = 1024), one without is decimal
+(KB = K = 1000), as in Kubernetes; "20%" is a share of `total`."""
 
 from __future__ import annotations
 

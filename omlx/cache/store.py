@@ -1,12 +1,6 @@
-"""The cache tiers every loaded model shares, and what happens to a block leaving device memory.
-
-Each model's `PrefixCache` (prefix_cache.py) keys its blocks by its model's fingerprint and
-decides what to restore; this module holds the tiers themselves, the directory of blocks
-waiting between them (`residency.BlockDirectory`), the process-wide counters, and the
-hand-off of blocks that the hot tier lets go: to host RAM, copied out on their own engine's
-thread, then to their model's `PrefixCache`, which hands them to the SSD writer. Why they
-wait, with the measurements: docs/design/ram-moves.md.
-"""
+"""The cache tiers every loaded model shares, the directory of blocks between them, the
+process-wide counters, and the hand-off of a block leaving device memory: to RAM, copied on
+its own engine's thread, then to its model's `PrefixCache` (docs/design/ram-moves.md)."""
 
 from __future__ import annotations
 
