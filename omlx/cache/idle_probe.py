@@ -19,12 +19,11 @@ IDLE_PROBE_BYTES = 32 << 20
 class IdleProbe:
     """`tick` and `probe_idle` of `PrefixCache`."""
 
-    def tick(self, idle: bool) -> bool:
-        """Engine thread, once per loop: `write_back`; then, idle with nothing left to move,
-        `probe_idle` and the save of measurements a throttled save left behind. True while
-        more waits."""
+    def tick(self, idle: bool, *, quiet: bool = True) -> bool:
+        """Engine thread, once per loop: `write_back`; then, idle and `quiet` with nothing left
+        to move, `probe_idle` and the save a throttled one left behind. True while more waits."""
         more = self.write_back(idle)
-        if idle and not more:
+        if idle and quiet and not more:
             self.probe_idle()
             if self.cost_file is not None and self.cost_file.unsaved:
                 self._save_costs(force=True)

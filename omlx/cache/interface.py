@@ -58,10 +58,10 @@ class PrefixCacheInterface(Protocol):
         """What prefilling `tokens` after `depth` cached ones takes here (None: not known)."""
         ...
 
-    def tick(self, idle: bool) -> bool:
-        """The cache's own background work, a bounded piece per engine loop (not while a lone
-        prompt prefills): write-back to slower tiers, and while `idle` the slow tiers' timing
-        and saving its measurements. True while more work waits (call again soon)."""
+    def tick(self, idle: bool, *, quiet: bool = True) -> bool:
+        """The cache's own background work, a bounded piece per loop (not during a lone prefill):
+        write-back, and while `idle` (and `quiet`: no other engine of the process busy) the slow
+        tiers' timing and its measurements' save. True while more work waits (call again soon)."""
         ...
 
     def write_back(self, idle: bool) -> bool:
@@ -123,7 +123,7 @@ class NoCache:
     def prefill_seconds(self, tokens: int, depth: int) -> float | None:
         return None
 
-    def tick(self, idle: bool) -> bool:
+    def tick(self, idle: bool, *, quiet: bool = True) -> bool:
         return False
 
     def write_back(self, idle: bool) -> bool:

@@ -104,3 +104,18 @@ def test_tick_saves_measurements_a_throttled_save_left_behind(tmp_path: Path) ->
     assert not cache.cost_file.unsaved
     cache.close(timeout=1.0)
     ssd.close()
+
+
+def test_tick_leaves_the_idle_timing_while_another_engine_is_busy(tmp_path: Path) -> None:
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    cache = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), "f" * 64, 2, "m")
+    probes: list[int] = []
+    cache.probe_idle = lambda: probes.append(1)  # type: ignore[method-assign]
+    cache.tick(idle=True, quiet=False)
+    cache.tick(idle=False)
+    assert probes == []
+    cache.tick(idle=True)
+    assert probes == [1]
+    cache.close(timeout=1.0)
+    ssd.close()
