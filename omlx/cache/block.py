@@ -1,12 +1,6 @@
-"""The unit of caching: one immutable block of KV state and its integrity checksum.
-
-A block holds, for ``token_count`` tokens at a fixed place in a prefix, every layer's
-tensors: one ``"kv"`` tensor of all layers' keys and values where the layers share a shape
-(``kv_layout.KV_STACK``), else a tensor per layer and kind (``"0.keys"``, ``"0.values"``
-...). It is content-addressed by
-``key`` (see ``block_hash.block_keys``), so it is never mutated once built and can be
-shared by any number of requests and tiers.
-"""
+"""The unit of caching: one immutable, content-addressed block of KV state (every layer's
+tensors for `token_count` tokens at a fixed place in a prefix, `block_hash.block_keys`), its
+host-bytes form, and its integrity checksum."""
 
 from __future__ import annotations
 
@@ -32,13 +26,9 @@ HostTensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
 
 @dataclass
 class CacheBlock:
-    """One block of KV state; ``tensors`` must be evaluated arrays owned by this block.
-
-    ``parent`` is the previous block's key (``None`` for the first block), which lets a
-    tier or a debugging tool walk a chain without the tokens. ``layer_types`` records per
-    layer what kind of cache the tensors came from (``"kv"``, ``"rotating"``, ``"mamba"``
-    ...) so a restore can rebuild the right cache objects.
-    """
+    """One block of KV state: evaluated arrays it owns, for `token_count` tokens after the
+    block `parent` (None: the root); `layer_types` says per layer which cache kind the tensors
+    rebuild ("kv", "rotating", "mamba" ...)."""
 
     key: str
     parent: str | None
@@ -57,14 +47,9 @@ class CacheBlock:
 
 @dataclass
 class HostBlock:
-    """A block as bytes in host memory: what the warm (RAM) tier keeps and what the SSD
-    threads write and read.
-
-    The RAM tier's blocks (`of(copy=True)`) are `staged`: their bytes are one MLX array made
-    from host bytes, and `host` views it. Its pages stay in host memory until the device
-    first uses them; then, on a CUDA GPU, they migrate there, which is the fastest way back
-    MLX has (6.7 GB/s on an H200 against 1.7 GB/s for an array made from host bytes at restore
-    time, `host_block_probe.py`). Other threads touch only `host` (bytes), never the array."""
+    """A block as host bytes (`host`): what the RAM tier keeps and the SSD threads write and
+    read. A RAM block is `staged`: one MLX array that `host` views (docs/design/ram-moves.md);
+    other threads touch only `host`, never the array."""
 
     key: str
     parent: str | None
@@ -111,11 +96,8 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def host_view(t: mx.array) -> np.ndarray:
-    """A C-contiguous numpy array with exactly ``t``'s bytes (``t`` is evaluated if needed).
-
-    numpy has no bfloat16, so bf16 is reinterpreted as uint16 first (bit-identical).
-    Runs on the CPU stream so it is safe from any thread (writer, loader pool).
-    """
+    """A C-contiguous numpy array with exactly `t`'s bytes (bf16 viewed as uint16), made on
+    the CPU stream so it is safe from any thread."""
     with mx.stream(mx.cpu):
         if t.dtype == mx.bfloat16:
             t = t.view(mx.uint16)
@@ -124,11 +106,8 @@ def host_view(t: mx.array) -> np.ndarray:
 
 
 def to_host(tensors: Mapping[str, mx.array]) -> HostTensors:
-    """The raw bytes of each tensor in host memory (zero-copy for evaluated CPU arrays).
-
-    This is the MLX side of moving a block to or from the SSD: call it on the thread that
-    owns the model (the engine), so the SSD threads only ever touch bytes, never MLX.
-    """
+    """The raw bytes of each tensor in host memory (zero-copy for evaluated CPU arrays); call
+    on the thread that owns the model, so that the SSD threads only touch bytes."""
     return {
         name: (dtype_name(t.dtype), tuple(t.shape), host_view(t).reshape(-1).view(np.uint8))
         for name, t in tensors.items()
@@ -164,13 +143,8 @@ def host_reads_move_buffers() -> bool:
 
 
 def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
-    """Host views of a copy of `tensors`, packed on the device into one new array: for the SSD
-    writer, which reads a block the hot tier keeps. Read in place (`to_host`), each tensor's
-    buffer would become managed memory and the host's reads would pull its pages over; the
-    next device op on it faulted them back at ~7 GB/s (H200: a 32,000-token prompt of an 8B
-    model took 0.8 s to restore from the hot tier once the SSD had written it, 0.13 s before).
-    The copy goes instead, and one buffer reads faster than 64 (`staged_on_host`); a block
-    of one tensor (all layers stacked) is copied too."""
+    """Host views of a copy of `tensors` packed on the device into one new array, for the SSD
+    writer to read a block the hot tier keeps without moving its buffers (docs/design/write-back.md)."""
     whole, layout = _packed(tensors)
     if whole is None:
         return {}
@@ -179,12 +153,8 @@ def packed_on_host(tensors: Mapping[str, mx.array]) -> HostTensors:
 
 
 def staged_on_host(tensors: Mapping[str, mx.array]) -> tuple[mx.array | None, HostTensors]:
-    """`tensors` packed on the device (one concatenation, or a copy of a lone tensor), then
-    copied out in one piece into a new MLX array whose pages the host writes, so they lie in
-    host memory (the device's are freed with the tensors); with views of it as host bytes. The array is what a restore hands
-    the device. On CUDA MLX's buffers are managed memory, which the host reads page by page
-    where the device holds it: a block as 64 arrays of 256 KB came out at 0.74 GB/s on an H200,
-    packed first 1.8 GB/s (`host_block_probe.py`)."""
+    """`tensors` packed on the device and copied out in one piece into a new MLX array whose
+    pages lie in host memory, with views of it as host bytes: a RAM block (docs/design/ram-moves.md)."""
     whole, layout = _packed(tensors)
     if whole is None:
         return None, {}
@@ -225,12 +195,8 @@ def _itemsize(dt: str) -> int:
 
 
 def from_host(host: HostTensors, whole: mx.array | None = None) -> dict[str, mx.array]:
-    """MLX arrays from host bytes (the inverse of `to_host`; engine thread); with `whole`, the
-    MLX array whose memory `host` views (a staged block), views of it instead of copies.
-
-    Tensors that are views of one host buffer (a block packed for the RAM tier, or read from
-    one SSD file) become views of one MLX array: on an H200, 1 GB of KV as 4,000 arrays (one
-    per block, layer and keys/values) took 0.85 s to reach the GPU, as 32 arrays 0.25-0.46 s."""
+    """MLX arrays from host bytes (engine thread), views of one array where the bytes lie in
+    one buffer; with `whole` (a staged block's array), views of it instead of copies."""
     if whole is not None:
         origin = _address(np.asarray(whole))
         return {
@@ -297,8 +263,8 @@ def checksum_host(host: HostTensors) -> str:
 
 
 def checksum_matches(host: HostTensors, stored: str) -> bool:
-    """Verify host bytes against a stored checksum: CRC-32 (written since 2026-11-30), or
-    SHA-256 (64 hex digits, the files written before), so existing cache files stay valid."""
+    """Verify host bytes against a stored checksum: CRC-32, or SHA-256 (64 hex digits, what
+    older files carry), so existing cache files stay valid."""
     if stored.startswith(CRC_PREFIX):
         return checksum_host(host) == stored
     h = hashlib.sha256(b"omlx-block-checksum-v1\0")
@@ -316,12 +282,6 @@ def _checksum_entries(host: HostTensors) -> Iterable[tuple[bytes, memoryview]]:
 
 
 def checksum(tensors: Mapping[str, mx.array]) -> str:
-    """CRC-32 over tensor names, dtypes, shapes and raw bytes, in sorted name order.
-
-    Stored with each SSD block and re-verified on load, so a flipped bit or a torn write is
-    caught before it reaches the model (a file of another block fails the key and fingerprint
-    check first). CRC-32, not SHA-256: this guards against accidents, not adversaries, and on
-    the H200 host SHA-256 took half of the SSD writer's time and bounded reads to ~0.5 GB/s
-    (zlib's CRC-32: 7 GB/s vs 2 GB/s for SHA-256 on this development machine).
-    """
+    """CRC-32 over tensor names, dtypes, shapes and raw bytes in sorted name order: stored with
+    each SSD block and verified on load, against accidents, not adversaries (docs/design/write-back.md)."""
     return checksum_host(to_host(tensors))

@@ -1,11 +1,6 @@
-"""Stable identities for cache blocks: model fingerprints and chained block keys.
-
-Keys must survive restarts and be identical across processes, so everything here is
-SHA-256 over explicit byte encodings (never Python's ``hash()``, which is salted per run).
-A block key commits to the model fingerprint, to its parent's key and to its own tokens,
-so equal keys mean "same model, same whole prefix": a block can only be reused behind
-exactly the prefix it was computed for.
-"""
+"""Stable identities for cache blocks: model fingerprints and chained block keys, SHA-256 over
+explicit byte encodings (never the salted `hash()`); equal keys mean same model, same whole
+prefix, so a block is only reused behind exactly the prefix it was computed for."""
 
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ __all__ = ["model_fingerprint", "weights_digest", "block_keys", "FINGERPRINT_VER
 # Bump when the meaning of a block payload changes (slicing rules, what a tensor name
 # means...): every fingerprint, hence every key, changes and old blocks can never be served.
 # A new layout that readers tell apart by its tensors' names needs no bump (the stacked
-# `kv` tensor, 2026-12: older files still load); the SSD tier's FORMAT_VERSION keeps older
+# `kv` tensor: older files still load); the SSD tier's FORMAT_VERSION keeps older
 # builds from reading it.
 FINGERPRINT_VERSION = "omlx-block-v1"
 
@@ -40,12 +35,9 @@ def model_fingerprint(
     kv_format: str,
     block_size: int,
 ) -> str:
-    """Hex SHA-256 naming "this model, computing KV in this format, in blocks of this size".
-
-    Any field that changes what a block's tensors mean must be here: the weights (digest),
-    the compute dtype, the KV cache format (plain, quantised bits/group size, rotating...)
-    and the block size. The fields are JSON-encoded so no two field tuples collide.
-    """
+    """Hex SHA-256 naming this model computing KV in this format in blocks of this size: every
+    field that changes what a block's tensors mean (weights digest, compute dtype, KV format,
+    block size), JSON-encoded so no two field tuples collide."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     payload = json.dumps(
@@ -68,13 +60,11 @@ def _edges_digest(path: Path, size: int) -> str:
 
 
 def weights_digest(model_dir: Path) -> str:
-    """Cheap, change-sensitive digest of a model folder's weights and config.
-
-    Covers, per weight file (``*.safetensors``, ``*.gguf``, sorted by name): name, size,
-    ``mtime_ns`` and SHA-256 of its first and last 1 MiB; plus the full ``config.json``.
-    Symlinks (Hugging Face hub snapshots) are followed. Reading only the edges keeps this in
-    the milliseconds for a 100 GB model; size + mtime catch in-place rewrites in the middle.
-    """
+    """A cheap, change-sensitive digest of a model folder: per weight file (sorted, symlinks
+    followed) its name, size, mtime_ns and SHA-256 of its first and last 1 MiB, plus the whole
+    config.json."""
+    # the edges keep this in milliseconds for a 100 GB model; size and mtime catch rewrites
+    # in the middle
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     h.update(b"omlx-weights-v1\0")
@@ -96,10 +86,8 @@ def weights_digest(model_dir: Path) -> str:
 
 
 def _pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as little-endian uint32 bytes, validated (negative or >= 2**32 is an error).
-
-    A list (what requests carry) goes through `array.array`, which checks the range as it
-    converts: 0.3 ms for 32,000 ids against 1.5 ms through numpy, on every lookup and store."""
+    """Token ids as little-endian uint32 bytes; a ValueError for one negative or >= 2**32 (a
+    list goes through `array.array`, which checks as it converts)."""
     if isinstance(token_ids, list) and _UINT32.itemsize == 4:
         try:
             packed = array.array("I", token_ids)
@@ -131,13 +119,9 @@ def block_keys(
     block_size: int,
     extra_keys: bytes = b"",
 ) -> list[str]:
-    """Chained hex keys, one per FULL block of ``token_ids`` (the tail is never cached).
-
-    ``key_i = sha256(fingerprint || key_{i-1} (b"root" for i=0) || uint32le(tokens_i) ||
-    extra_keys)``. ``extra_keys`` is mixed into every block; pass e.g. a digest of the
-    request's images so a multimodal prefix never matches a text-only one. ~1 ms for 32k
-    tokens given as a Python list at B=256 (0.2 ms from a numpy array).
-    """
+    """Chained hex keys, one per full block of `token_ids`: key_i = sha256(fingerprint ||
+    key_{i-1} (b"root" first) || uint32le(tokens_i) || extra_keys); `extra_keys` (say, an image
+    digest) is mixed into every block."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     packed = _pack_tokens(token_ids)
@@ -180,11 +164,8 @@ def chain_key(
     token_ids: Sequence[int] | np.ndarray,
     extra_keys: bytes = b"",
 ) -> str:
-    """The key of one block of any length after `parent`, by the same formula as `block_keys`.
-
-    Used for partial (tail) blocks: a full block's key equals `block_keys`' key for it, and
-    a shorter token run can never collide with a full block (the hashed lengths differ).
-    """
+    """The key of one block of any length after `parent`, by `block_keys`' formula: a full
+    block's key is `block_keys`' own, and a shorter run never collides with one."""
     h = hashlib.sha256(fingerprint.encode("ascii"))
     h.update(parent.encode("ascii") if parent else _ROOT)
     h.update(_pack_tokens(token_ids))

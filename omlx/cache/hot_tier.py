@@ -1,14 +1,6 @@
-"""The in-memory tiers: an LRU of blocks under one byte budget shared by all loaded models.
-
-The hot tier holds ``CacheBlock``s (MLX arrays where the model computes); on a discrete GPU
-the warm tier is another instance holding ``HostBlock``s (host bytes) that the hot tier
-hands over through ``on_evict``.
-
-Keys already include the model fingerprint, so blocks of different models live side by
-side and compete for the same budget; ``discard_fingerprint`` drops a model's blocks when
-it is unloaded for good. All methods take one lock: the engine thread, the SSD loader
-pool and the API threads (stats) may call in concurrently.
-"""
+"""The in-memory tiers: a thread-safe LRU of blocks under one byte budget shared by all loaded
+models (keys include the fingerprint): the hot tier of `CacheBlock`s and, on a discrete GPU,
+the RAM tier of `HostBlock`s that the hot tier hands its evictions to (`on_evict`)."""
 
 from __future__ import annotations
 
@@ -33,10 +25,20 @@ class HotTier:
         self._blocks: OrderedDict[str, Any] = OrderedDict()  # oldest first
         self._sizes: dict[str, int] = {}
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock: threading.RLock = threading.RLock()
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The reentrant lock every method of this tier takes."""
+        return self._lock
+
+    def share_lock(self, lock: threading.RLock) -> None:
+        """Guard this tier with `lock` from now on (a `CacheStore` shares one lock among its
+        tiers and its block directory); only before the tier is in use."""
+        self._lock = lock
 
     @property
     def max_bytes(self) -> int:
@@ -97,16 +99,9 @@ class HotTier:
         return 0 < self._max_bytes and nbytes <= self._max_bytes
 
     def put(self, block: CacheBlock, keep: frozenset[str] | set[str] = frozenset()) -> bool:
-        """Store ``block``, evicting least recently used blocks to fit (they go to
-        ``on_evict``, the next tier, if any), but none of ``keep``.
-
-        Returns False (and stores nothing here) when the tier is disabled, the block alone
-        is larger than the whole budget, or only ``keep`` is left to evict; such a block goes
-        straight to ``on_evict``. Putting a key already present only refreshes it. A chain
-        put root first with its own keys in ``keep`` thus keeps its first blocks and sends
-        the deepest down, as a prefix tree evicts leaves: a chain without its root serves no
-        lookup.
-        """
+        """Keep `block` as the most recently used, evicting the least recently used outside
+        `keep` to fit (to `on_evict`); False (the block itself goes to `on_evict`) when the tier
+        is off, the block exceeds its budget or only `keep` is left. A key present is refreshed."""
         size = block.nbytes
         evicted = []
         with self._lock:

@@ -1,10 +1,6 @@
-"""How a block's tensors hold a model's KV cache, and how blocks become the model's cache again.
-
-Where every layer's keys and values share a shape, a block keeps them as one tensor
-(`KV_STACK`); a restore then joins n blocks with n copies and each layer is a view of the
-result. Models whose layers differ keep a tensor per layer and kind, the format of blocks
-written before the stacked one (SSD format 1), which still loads.
-"""
+"""How a block's tensors hold a model's KV cache (one `KV_STACK` tensor where every layer's
+keys and values share a shape, else a tensor per layer and kind, the older format), and how
+blocks become the model's cache again."""
 
 from __future__ import annotations
 
@@ -21,9 +17,9 @@ from omlx.cache.block import CacheBlock
 KV_STACK = "kv"
 # The most bytes one joined array of a restore may hold: each is kept until the last of its
 # layers has grown out of it in the first chunk, so a restore needs up to this much memory on top
-# of the restored cache. One array of all layers needed twice the restored bytes (12.6 GB for
-# 47,872 tokens of an 8B model) and, with other models' processes on the GPU, ran it out of
-# memory, which MLX's CUDA backend turned into a lost context (docs/design/long-context.md).
+# of the restored cache. One array of all layers needed twice the restored bytes and, with
+# other models' processes on the GPU, ran it out of memory, which MLX's CUDA backend turned
+# into a lost context (docs/design/long-context.md, docs/design/ram-moves.md).
 JOIN_GROUP_BYTES = 1 << 30
 # and the most elements (MLX 0.32 reads views past 2**31 elements correctly,
 # tests/gpu/test_large_array_views.py; kept below it all the same)
@@ -83,12 +79,9 @@ def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
 def join_blocks(
     parts: list[tuple[CacheBlock, int]], num_layers: int, max_elements: int = MAX_ARRAY_ELEMENTS
 ) -> list[KVCache]:
-    """One KV cache per layer from a chain's blocks; `(block, n)` uses the block's first n
-    tokens. Blocks that stack every layer (`KV_STACK`) are joined with one copy each per group
-    of layers, and each layer's keys and values are views of its group's array: joined per
-    layer, 125 blocks of a 1B Llama took 14.5 ms on an H200 (4,000 copies) against 2.3 ms,
-    and 44 ms at 8B. A group holds at most `JOIN_GROUP_BYTES` and `max_elements`; it lives
-    until its last layer's cache has grown out of it (the next chunk)."""
+    """One KV cache per layer from a chain's blocks (`(block, n)`: its first n tokens); stacked
+    blocks are joined with one copy each per group of layers of at most `JOIN_GROUP_BYTES` and
+    `max_elements`, each layer's arrays views of its group's (docs/design/ram-moves.md)."""
     if all(KV_STACK in block.tensors for block, _ in parts):
         stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
         rows, heads, _, dim = stacks[0].shape

@@ -1,67 +1,25 @@
 """What recomputing a prompt's tokens costs on this device: the other side of every
-restore-or-recompute decision (`PrefixCache._restore_pays`)."""
+restore-or-recompute decision (`restore_model.RestoreModel`). No MLX here; the reasons and
+figures are in docs/design/restore-or-recompute.md."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted
 # A fit whose attention term per token, against its per-token term, lies further than this
-# factor from what the model's shapes say (`attention_ratio`) is not trusted. Attention kernels
-# run below the matrix multiplies' efficiency, which the span allows for; a fit through a few
-# noisy prefills can be off by more: on an H200 at 8B one gave 11x, with a per-token cost
-# that would have meant 2.6 PFLOP/s through the linear layers.
+# factor from what the model's shapes say (`model_shapes.attention_ratio`) is not trusted:
+# attention runs below the matrix multiplies' efficiency, which the span allows for; a fit
+# through a few noisy prefills can be off by more (docs/design/restore-or-recompute.md).
 PRIOR_SPAN = 8.0
 
 
-def attention_ratio(model: Any) -> float | None:
-    """The attention term's share against the per-token term (b/a of `PrefillCost`) that a
-    plain transformer's shapes give: per query token and context token, attention does
-    heads·head_dim multiply-adds twice a layer (QKᵀ, then AV); per token, the linear layers
-    do as many as they have weights. None where a layer's work is not told by that: weights
-    of more than two dimensions (mixtures of experts, convolutions of state-space layers),
-    or attention over a sliding window."""
-    args, layers = getattr(model, "args", None), getattr(model, "layers", None)
-    heads = getattr(args, "num_attention_heads", None)
-    hidden = getattr(args, "hidden_size", None)
-    head_dim = getattr(args, "head_dim", None) or (hidden // heads if heads and hidden else None)
-    if not layers or not heads or not head_dim or getattr(args, "sliding_window", None):
-        return None
-    weights = 0
-    for layer in layers:
-        for _, module in layer.named_modules():
-            weight = module.get("weight")  # an MLX module is a dict of its parameters and children
-            if not isinstance(weight, mx.array) or weight.ndim < 2:
-                continue  # norms, or a child module that happens to be called so
-            if weight.ndim > 2:
-                return None
-            if isinstance(module, nn.QuantizedLinear):
-                weights += weight.shape[0] * weight.shape[1] * 32 // module.bits
-            elif isinstance(module, nn.Linear):
-                weights += weight.size
-            else:
-                return None
-    if not weights:
-        return None
-    return 2 * len(layers) * heads * head_dim / weights
-
-
 class PrefillCost:
-    """Seconds this device takes to prefill n tokens after d cached ones, learned from the
-    engine's own prefills: t ≈ c + a·n + b·n·(d + n/2), a fixed cost per prefill, a per-token
-    cost and attention over the context, fitted by least squares with older observations
-    fading out. Restoring from a tier pays when it beats what recomputing those tokens adds
-    (`seconds`: the fixed cost is paid either way, at least one token is computed), so the
-    decision holds at any depth. A GPU's prefill has a fixed part (launches, graph lookups:
-    tens of ms, most of a 64-token prefill), which fitted as tokens distorts the other two
-    terms. Where the prefills do not tell the attention term apart (say, all of one length),
-    b/a comes from the model's shapes (`prior`, `attention_ratio`); without one the attention
-    term is left out, and deep recomputes look cheap: on an H200 at 8B, 12,000 tokens 20,000
-    deep were predicted at 0.53 s (32,000 at the root: 1.41 s) and took 0.9 s."""
+    """Seconds this device takes to prefill n tokens after d cached ones, fitted to the
+    engine's own prefills as t ≈ c + a·n + b·n·(d + n/2) (fixed, per-token and attention
+    terms) by least squares with older observations fading out; `prior` is the model's b/a."""
 
     TERMS = 3
 
@@ -87,10 +45,9 @@ class PrefillCost:
             decay = 0.0
         slow = predicted is not None and seconds > 1.5 * predicted
         if slow and not self._last_slow:
-            # Much slower, after one that was not: most likely a one-off (on CUDA each new
-            # prompt shape builds cuDNN graphs, ~60 ms apiece), so it counts a fifth; the
-            # next slow one counts fully (a lasting slowdown). Otherwise one such prefill
-            # flips the next restore decisions.
+            # Much slower, after one that was not: most likely a one-off (a new prompt
+            # shape's graphs being built), so it counts a fifth; the next slow one counts
+            # fully (a lasting slowdown). Otherwise one such prefill flips the next decisions.
             weight = SLOW_OUTLIER_WEIGHT
         self._last_slow = slow
         x = (1.0, float(n), n * (depth + n / 2))
@@ -135,10 +92,9 @@ class PrefillCost:
         return self._fitted
 
     def _fit_sums(self) -> tuple[float, float, float]:
-        """(c, a, b): all three terms where the observations tell them apart, none comes out
-        negative and b/a agrees with the prior (within `PRIOR_SPAN`), else without the fixed
-        term; failing both, b = prior·a with the fixed term fitted, else without; with no
-        prior, the per-token cost alone."""
+        """(c, a, b) of all three terms where the observations tell them apart, none negative and
+        b/a within `PRIOR_SPAN` of the prior; else without the fixed term; else b = prior·a (with the
+        fixed term, then without); with no prior, the per-token cost alone."""
         xx, xt, prior = self._xx, self._xt, self.prior
         for terms in ((0, 1, 2), (1, 2)):
             coef = _solve([[xx[i][j] for j in terms] for i in terms], [xt[i] for i in terms])

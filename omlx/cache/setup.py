@@ -7,10 +7,10 @@ import shutil
 import psutil
 
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.prefix_cache import WRITE_BACK_BOUND_GPU
 from omlx.cache.sizes import parse_size
 from omlx.cache.ssd_tier import SSDTier
 from omlx.cache.store import CacheStore
+from omlx.cache.write_back import WRITE_BACK_BOUND_GPU
 from omlx.errors import ConfigError
 from omlx.platform_info import discrete_gpu, gpu_memory_bytes
 from omlx.settings import Settings
@@ -33,10 +33,9 @@ def warm_tier_bytes(setting: str) -> int:
 
 
 def count_ram_tier_in_mlx_limit(warm_bytes: int) -> None:
-    """The RAM tier keeps blocks as MLX arrays in host memory (`HostBlock.staged`), which MLX
-    counts as its own: raise MLX's memory limit by the tier's budget. On CUDA that limit (80%
-    of the GPU's memory) is where MLX starts to empty its buffer cache at every allocation; a
-    24 GB GPU with a RAM tier of 25 GB would have been past it all the time."""
+    """Raise MLX's memory limit by the RAM tier's budget: MLX counts the tier's staged arrays as
+    its own, and past its limit (on CUDA, 80% of the GPU's memory) it empties its buffer cache at
+    every allocation."""
     import mlx.core as mx
 
     global _ram_tier_in_limit

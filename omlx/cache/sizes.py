@@ -1,9 +1,6 @@
-"""Parse human-written byte sizes for the cache and memory limits.
-
-Used for ``--hot-cache-max-size``, ``--ssd-cache-max-size`` and ``--max-model-memory``.
-Rule, so nobody has to guess: a unit with an ``i`` is binary (KiB = 1024), a unit without
-one is decimal (KB = K = 1000), as in Kubernetes. ``"20%"`` is a share of ``total``.
-"""
+"""Parse human-written byte sizes (`--hot-cache-max-size`, `--ssd-cache-max-size`,
+`--max-model-memory`): a unit with an `i` is binary (KiB = 1024), one without is decimal
+(KB = K = 1000), as in Kubernetes; "20%" is a share of `total`."""
 
 from __future__ import annotations
 
@@ -37,12 +34,8 @@ _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
 
 
 def parse_size(text: str, *, total: int | None) -> int:
-    """Return the number of bytes ``text`` names.
-
-    Accepts ``"800000"``, ``"2GB"``, ``"512MiB"``, ``"1.5G"``, ``"0"`` and ``"20%"`` (a share
-    of ``total``, e.g. of system RAM or of the disk). Raises ``ValueError`` with a message
-    that says what was wrong and what is accepted.
-    """
+    """The bytes `text` names: "800000", "2GB", "512MiB", "1.5G", "0", or "20%" (a share of
+    `total`); a ValueError saying what was wrong and what is accepted."""
     if not isinstance(text, str):
         raise ValueError(f"size must be a string, got {type(text).__name__}")
     m = _PATTERN.match(text)

@@ -1,21 +1,17 @@
-"""The cache tiers every loaded model shares, and what happens to a block leaving device memory.
-
-Each model's `PrefixCache` (prefix_cache.py) keys its blocks by its model's fingerprint and
-decides what to restore; this module holds the tiers themselves, the process-wide counters,
-and the hand-off of blocks that the hot tier lets go: to host RAM, copied out on their own
-engine's thread, then to their model's `PrefixCache`, which hands them to the SSD writer.
-"""
+"""The cache tiers every loaded model shares, the directory of blocks between them, the
+process-wide counters, and the hand-off of a block leaving device memory: to RAM, copied on
+its own engine's thread, then to its model's `PrefixCache` (docs/design/ram-moves.md)."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.hot_tier import HotTier
+from omlx.cache.residency import BlockDirectory, Residency
 from omlx.cache.ssd_tier import SSDTier
 
 
@@ -29,7 +25,6 @@ class CacheCounters:
     prompt_tokens: int = 0
     hit_tokens: int = 0
     skipped_restores: int = 0
-    unwritten_blocks: int = 0  # stored, not yet handed to the SSD writer (`write_back`)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def snapshot(self) -> dict[str, Any]:
@@ -42,19 +37,13 @@ class CacheCounters:
                 "hit_tokens": self.hit_tokens,
                 "hit_rate": (self.hit_tokens / self.prompt_tokens) if self.prompt_tokens else 0.0,
                 "skipped_restores": self.skipped_restores,
-                "unwritten_blocks": self.unwritten_blocks,
             }
 
 
 class CacheStore:
-    """The tiers shared by every loaded model; block keys include the model fingerprint.
-
-    `warm` (host RAM, for discrete GPUs) receives the blocks the hot tier evicts, as host
-    bytes; the hot tier's evictions happen on the engine thread that stores, so the copy
-    out of device memory does too. Each model's `PrefixCache` follows the evictions of its
-    blocks (`follow`): one that still waits for the SSD goes to the writer then, as the RAM
-    tier's copy where there is one, so device memory never holds blocks outside the hot
-    tier's budget and no block is copied out twice."""
+    """The tiers every loaded model shares (keys include the model fingerprint), the directory
+    of blocks between them, and the hand-off of blocks the hot tier lets go: to RAM as host
+    bytes, then to their model's `PrefixCache` (`follow`), which hands them to the SSD writer."""
 
     def __init__(
         self, hot: HotTier, ssd: SSDTier | None, block_size: int, warm: HotTier | None = None, demote_bound: int = 0
@@ -67,14 +56,15 @@ class CacheStore:
         self.generation = 0  # bumped by clear(): blocks stored before it are not written back
         # model fingerprint -> what its PrefixCache does with a block the hot tier let go
         self._followers: dict[str, Callable[[CacheBlock, HostBlock | None], None]] = {}
-        # Blocks the hot tier let go that wait in device memory (up to `demote_bound` bytes) for
-        # their own engine to copy them to RAM (`demote`), between steps or when idle: copied
-        # at eviction, the device -> host copy (~2.4 GB/s on an H200: 0.16 s for 1 GB in the
-        # request log) held up the engine that stored, and every request behind it.
+        # Blocks the hot tier let go wait in device memory (up to `demote_bound` bytes) for their
+        # own engine to copy them to RAM (`demote`), between steps or when idle: copied at
+        # eviction, the copy would hold up the engine that stored, and every request behind it.
         self.demote_bound = demote_bound if self.warm is not None and hot.enabled else 0
-        self._leaving: OrderedDict[str, tuple[CacheBlock, int]] = OrderedDict()  # (block, generation)
-        self._leaving_bytes = 0
-        self._leaving_lock = threading.Lock()
+        # one lock for the directory, the hot and RAM tiers and the bookkeeping below
+        self.directory = BlockDirectory(hot.lock)
+        if self.warm is not None:
+            self.warm.share_lock(hot.lock)
+        self._leaving_lock = self.directory.lock
         self._restored = 0  # bytes restores moved into the hot tier since nothing waited (`moved_in`)
         # fingerprint -> engines (a reload may overlap the old engine's close) that demote its blocks
         self._owners: dict[str, int] = {}
@@ -114,25 +104,18 @@ class CacheStore:
         if not self.hot.can_hold(block.nbytes):  # never held by the hot tier: no device memory to spare
             return False
         with self._leaving_lock:
-            if block.key in self._leaving:  # taken back for the SSD writer, and let go again
-                self._leaving.move_to_end(block.key)
+            if self.directory.is_leaving(block.key):  # taken back for the SSD writer, and let go again
+                self.directory.leave(block, self.generation)  # refreshed in the order
                 return True
-            if block.fingerprint not in self._owners or self._leaving_bytes + block.nbytes > self._bound():
+            if block.fingerprint not in self._owners or self.directory.leaving_bytes + block.nbytes > self._bound():
                 return False
-            self._leaving[block.key] = (block, self.generation)
-            self._leaving_bytes += block.nbytes
+            self.directory.leave(block, self.generation)
         return True
 
     def moved_in(self, nbytes: int) -> None:
-        """A restore or a store is about to put `nbytes` into the hot tier: the blocks that
-        pushes out may wait in device memory for their copy to RAM that many bytes beyond
-        `demote_bound` (up to the hot tier's size, until nothing waits), rather than be copied
-        out on the spot, by the engine's thread, while its requests wait: at 8B on an H200, a
-        4.2 GB restore from RAM that copied out as much as it brought in ran at 1.3 GB/s
-        instead of ~5; a prefetch that moved it a chunk per engine loop, copying out once past
-        the bound, at ~1.5 GB/s; and the store of a 32,000-token prompt into a full hot tier
-        kept the next request 2.1-3.6 s in the queue. The engine copies them when idle, or a
-        piece per step once they fill half of what may wait."""
+        """A restore or a store is about to put `nbytes` into the hot tier: the blocks it pushes out
+        may wait that many bytes beyond `demote_bound` for their copy to RAM (up to the hot tier's
+        size, until nothing waits: docs/design/ram-moves.md)."""
         if self.demote_bound:
             with self._leaving_lock:
                 self._restored += nbytes
@@ -141,39 +124,47 @@ class CacheStore:
         """Bytes that may wait for their copy to RAM now (caller holds `_leaving_lock`)."""
         return self.demote_bound + min(self._restored, self.hot.max_bytes)
 
+    def residency(self, key: str, fingerprint: str | None = None) -> Residency:
+        """Where the block `key` is now: the directory's state with the hot and RAM tiers'
+        (one lock), and with `fingerprint`, the SSD tier's (its own)."""
+        with self.directory.lock:
+            state = self.directory.state(key)
+            if self.hot.contains(key):
+                state |= Residency.HOT
+            if self.warm is not None and self.warm.contains(key):
+                state |= Residency.RAM
+        if fingerprint is not None and self.ssd is not None:
+            if self.ssd.writing(key):
+                state |= Residency.WRITING
+            if self.ssd.contains(key, fingerprint):
+                state |= Residency.SSD
+        return state
+
     def leaving(self, key: str) -> bool:
         """Whether the block waits in device memory for its copy to RAM."""
-        with self._leaving_lock:
-            return key in self._leaving
+        return self.directory.is_leaving(key)
 
     def reclaim(self, key: str) -> CacheBlock | None:
         """A block waiting for its copy to RAM, taken back (it is wanted again: no copy)."""
-        with self._leaving_lock:
-            block, _ = self._leaving.pop(key, (None, 0))
-            if block is not None:
-                self._leaving_bytes -= block.nbytes
-        return block
+        return self.directory.reclaim(key)[0]
 
     def demote(self, fingerprint: str, limit: int, due: bool) -> bool:
-        """On that model's engine thread: copy its blocks waiting to leave device memory to
-        RAM, oldest first, up to `limit` bytes (at least one block), when `due` (an idle
-        engine) or while they fill more than half of what may wait (`_bound`). True when some
-        still wait."""
+        """On that model's engine thread: copy its blocks waiting to leave device memory to RAM,
+        oldest first, up to `limit` bytes (one at least), when `due` or while they fill over half of
+        what may wait; True when some still wait."""
         moved = 0
         while True:
             with self._leaving_lock:
-                block, generation = next(
-                    ((b, g) for b, g in self._leaving.values() if b.fingerprint == fingerprint), (None, 0)
-                )
+                block = self.directory.oldest_leaving(fingerprint)
                 if block is None:
-                    if not self._leaving:
+                    if not self.directory.any_leaving():
                         self._restored = 0
                     return False
-                urgent = self._leaving_bytes > self._bound() // 2
+                urgent = self.directory.leaving_bytes > self._bound() // 2
                 if not (due or urgent) or (moved and moved + block.nbytes > limit):
                     return True
-                del self._leaving[block.key]
-                self._leaving_bytes -= block.nbytes
+                block, generation = self.directory.reclaim(block.key)
+                assert block is not None
                 self._restored = max(0, self._restored - block.nbytes)  # a busy engine may never empty it
             moved += block.nbytes
             if generation != self.generation:  # stored before a clear(): dropped
@@ -206,17 +197,17 @@ class CacheStore:
         return {
             "block_size": self.block_size,
             **self.counters.snapshot(),
-            "demoting_bytes": self._leaving_bytes,  # evicted, waiting in device memory for the RAM copy
+            "unwritten_blocks": self.directory.unwritten_count(),  # stored, not yet handed to the SSD writer
+            "demoting_bytes": self.directory.leaving_bytes,  # evicted, waiting in device memory for the RAM copy
             "hot": self.hot.stats(),
             "warm": self.warm.stats() if self.warm else {"enabled": False},
             "ssd": self.ssd.stats() if self.ssd else {"enabled": False},
         }
 
     def clear(self) -> None:
-        self.generation += 1
         with self._leaving_lock:
-            self._leaving.clear()
-            self._leaving_bytes = 0
+            self.generation += 1
+            self.directory.clear()
             self._restored = 0
         self.hot.clear()
         if self.warm:

@@ -28,7 +28,8 @@ from omlx.cache.block_hash import (
 )
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.sizes import parse_size
-from omlx.cache.ssd_tier import SSDTier, _is_key, read_header
+from omlx.cache.ssd_format import is_key
+from omlx.cache.ssd_tier import SSDTier, read_header
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -158,9 +159,9 @@ def test_tail_keys_are_the_chain_keys_of_every_prefix() -> None:
 
 def test_only_64_lowercase_hex_digits_are_a_block_key() -> None:
     key = block_keys(FP, list(range(16)), 16)[0]
-    assert _is_key(key)
+    assert is_key(key)
     for bad in (key.upper(), key[:-1], key + "0", key[:-1] + "g", key + "\n", "../" + key[3:], ""):
-        assert not _is_key(bad), bad
+        assert not is_key(bad), bad
 
 
 def test_block_keys_fast_for_32k_tokens() -> None:
@@ -1047,7 +1048,7 @@ def test_attention_share_from_a_model_s_shapes() -> None:
     import mlx.nn as nn
     from mlx_lm.models import llama
 
-    from omlx.cache.prefill_cost import attention_ratio
+    from omlx.cache.model_shapes import attention_ratio
 
     args = llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=3, intermediate_size=128, num_attention_heads=4,

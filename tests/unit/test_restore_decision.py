@@ -99,7 +99,7 @@ def test_ram_restores_saved_before_moves_count_as_copies(tmp_path: Path) -> None
     cache.observe_prefill(1000, 0, 0.5)
     cache.close(timeout=1.0)
     cache.tiers.ssd.close()
-    path = cache._costs_path
+    path = cache.cost_file.path
     state = json.loads(path.read_text())
     state.pop("warm_moves"), state.pop("warm_copies")
     path.write_text(json.dumps({**state, "warm_restores": [1.7e9, 1.0]}))
@@ -110,9 +110,9 @@ def test_ram_restores_saved_before_moves_count_as_copies(tmp_path: Path) -> None
 
 def test_an_older_measurement_finishing_late_does_not_overwrite_a_newer_one(tmp_path: Path) -> None:
     cache = open_cache(tmp_path)
-    cache._write_costs(2, '{"newer": true}')
-    cache._write_costs(1, '{"older": true}')  # a thread that started earlier and ran late
-    assert cache._costs_path.read_text() == '{"newer": true}'
+    cache.cost_file.write(2, '{"newer": true}')
+    cache.cost_file.write(1, '{"older": true}')  # a thread that started earlier and ran late
+    assert cache.cost_file.path.read_text() == '{"newer": true}'
     cache.tiers.ssd.close()
 
 
@@ -145,7 +145,7 @@ def test_an_unmeasured_tier_is_probed_up_to_an_eighth_in_growing_groups(tmp_path
 
 def test_a_tier_judged_slower_is_probed_again_after_a_while(tmp_path: Path) -> None:
     # measured once while the disk was busy, the SSD would otherwise never be used again
-    from omlx.cache.prefix_cache import REPROBE_AFTER
+    from omlx.cache.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -174,7 +174,7 @@ def probe_while_idle(cache: PrefixCache) -> None:
 def test_an_idle_engine_times_the_ssd_so_the_first_request_does_not(tmp_path: Path) -> None:
     # a fresh cache directory's first restore would time a part of the run inside the request
     # (0.09 s of a first TTFT at 8B on an H200); the idle engine before it times it instead
-    from omlx.cache.prefix_cache import REPROBE_AFTER
+    from omlx.cache.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -324,7 +324,7 @@ def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
 
 
 def test_restore_rate_weighs_each_restore_by_its_size() -> None:
-    from omlx.cache.prefix_cache import Throughput
+    from omlx.cache.restore_model import Throughput
 
     rate = Throughput()
     rate.observe(2e6, 2e6 / 8e9)  # a one-block probe: 8 GB/s
@@ -335,7 +335,7 @@ def test_restore_rate_weighs_each_restore_by_its_size() -> None:
 def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(monkeypatch) -> None:
     """A hot tier too small for a block hands it to RAM; if RAM still holds that block (it was
     just restored from there), it is only refreshed: no second device -> host copy."""
-    from omlx.cache import prefix_cache
+    from omlx.cache.block import HostBlock
 
     warm = HotTier(1 << 30)
     cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
@@ -343,13 +343,13 @@ def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(mo
     cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
     assert warm.stats()["blocks"] == 5  # four full blocks and the partial tail
     copies = []
-    original = prefix_cache.HostBlock.of
+    original = HostBlock.of
 
     def counting(block, copy=False):  # counts device -> host copies, then makes them
         copies.append(block.key)
         return original(block, copy=copy)
 
-    monkeypatch.setattr(prefix_cache.HostBlock, "of", counting)
+    monkeypatch.setattr(HostBlock, "of", counting)
     cache.prefill.observe(100, 0, 100.0)  # recompute is slow: restore from RAM
     caches, n = cache.lookup(tokens)
     assert n == 4 * B and caches[0].offset == 4 * B
@@ -373,13 +373,12 @@ def test_prompt_blocks_wait_for_the_end_when_only_ram_would_keep_them() -> None:
 def test_when_only_ram_keeps_blocks_a_finished_sequence_is_stored_a_piece_per_call(monkeypatch) -> None:
     """Copied to RAM all at once, a 32,000-token prompt of an 8B model held its engine 3-8 s on
     an H200 while a new request waited: the engine stores such a sequence a piece per idle loop."""
-    from omlx.cache import prefix_cache
 
     warm = HotTier(1 << 30)
     cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
     first = list(range(10, 10 + B + 1))
     assert cache.store(first, kv(len(first)), final=True) == 0  # measures a block's bytes; whole
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 2 * B * cache.bytes_per_token)  # 2 blocks
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 2 * B * cache.bytes_per_token)  # 2 blocks
     tokens = list(range(500, 500 + 7 * B + 5))  # seven full blocks and a tail
     sequence = kv(len(tokens))
     assert cache.store(tokens, sequence, final=False) == 0  # a prompt's store is never split
@@ -397,7 +396,6 @@ def test_when_only_ram_keeps_blocks_a_finished_sequence_is_stored_a_piece_per_ca
 
 
 def test_a_piecewise_store_ends_even_when_ram_cannot_hold_the_whole_sequence(monkeypatch) -> None:
-    from omlx.cache import prefix_cache
 
     probe = PrefixCache(CacheStore(HotTier(1), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
     probe.store(list(range(10, 10 + B)), kv(B), final=True)
@@ -405,7 +403,7 @@ def test_a_piecewise_store_ends_even_when_ram_cannot_hold_the_whole_sequence(mon
     warm = HotTier(3 * block)  # three blocks: storing the later ones pushes out the first
     cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
     cache.store(list(range(10, 10 + B)), kv(B), final=True)
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", block)  # a block per call
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", block)  # a block per call
     tokens = list(range(500, 500 + 8 * B))
     sequence = kv(len(tokens))
     calls, start = 1, cache.store(tokens, sequence, final=True)
@@ -447,7 +445,6 @@ def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_othe
 ) -> None:
     import asyncio
 
-    from omlx.cache import prefix_cache
 
     warm = HotTier(1 << 30)
     engine = ram_only_engine(tiny_model_dir, warm)
@@ -458,7 +455,7 @@ def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_othe
         await engine.wait_ready()
         await answer(engine, "measure", [7] * (B + 1), 1)  # the first store learns a block's bytes
         await engine.call(lambda: None)
-        monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 1)  # a block per piece
+        monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 1)  # a block per piece
         before = warm.stats()["blocks"]
         long_task = asyncio.create_task(answer(engine, "long", long, 200))
         while not engine.active_count:
@@ -594,7 +591,7 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
     # pieces go only while idle: a follow-up arriving first makes its conversation's store finish
     import asyncio
 
-    from omlx.cache import prefix_cache
+    from omlx.cache import restore_model
     from omlx.engine.llm_engine import LLMEngine
 
     warm = HotTier(1 << 30)
@@ -605,12 +602,12 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
         await engine.wait_ready()
         await answer(engine, "measure", [7] * (B + 1), 1)
         await engine.call(lambda: None)
-        monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 1)  # a block per piece
+        monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 1)  # a block per piece
         monkeypatch.setattr(LLMEngine, "_continue_store", lambda self: True)  # never idle long enough
         # what is asked here is whether the blocks are there, not whether restoring them beats
         # recomputing: on an H200 the tiny model's 144 tokens are a near-tie (a RAM copy 0.003 s
         # vs 0.005 s), which once went to recomputing after the one-block probe
-        monkeypatch.setattr(prefix_cache, "RESTORE_MARGIN", float("inf"))
+        monkeypatch.setattr(restore_model, "RESTORE_MARGIN", float("inf"))
         first, _ = await answer(engine, "first", prompt, 4)
         return await answer(engine, "next", prompt + first + [11, 12, 13], 2)
 
@@ -622,13 +619,12 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
 
 
 def test_a_pending_store_stops_when_its_chain_is_gone(monkeypatch) -> None:
-    from omlx.cache import prefix_cache
 
     warm = HotTier(1 << 30)
     store = CacheStore(HotTier(1), None, B, warm=warm)
     cache = PrefixCache(store, FP, LAYERS, "m")
     cache.store(list(range(10, 10 + B + 1)), kv(B + 1), final=True)
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", B * cache.bytes_per_token)  # a block per call
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", B * cache.bytes_per_token)  # a block per call
     tokens = list(range(500, 500 + 6 * B))
     sequence = kv(len(tokens))
     start = cache.store(tokens, sequence, final=True)
@@ -642,7 +638,6 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     """Handing a block to the SSD writer copies it to host memory on the engine thread (slow
     on a CUDA GPU): a busy engine defers it up to a bound, and every call hands over at most a
     chunk, so no step or arriving request waits for more than that."""
-    from omlx.cache import prefix_cache
 
     cache = open_cache(tmp_path)
     ssd = cache.tiers.ssd
@@ -654,7 +649,7 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     assert not cache.write_back(idle=False)  # busy, under the bound: nothing moves
     assert ssd.flush(10) and ssd.stats()["writes"] == 0
     cache.write_back_bound = 3 * block_bytes
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", 2 * block_bytes)
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 2 * block_bytes)
     writes = []
     while cache.write_back(idle=False):  # busy, over the bound: a chunk per step, down to it
         assert ssd.flush(10)
@@ -887,7 +882,6 @@ def test_a_block_that_waited_for_room_is_written_from_its_ram_copy(tmp_path: Pat
 
 
 def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_path: Path, monkeypatch) -> None:
-    from omlx.cache import prefix_cache
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -896,7 +890,7 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
     cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
     cache.ssd_rate.observe(1e6, 0.001)  # the SSD so far: 1 GB/s
     cache.bytes_per_token = 2 * LAYERS * 2 * 8 * 4
-    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
     keys = block_keys(FP, tokens, B)
     _, n = cache.lookup(tokens[: B + 1])  # the first block restored in line: it is in device memory now
     assert n == B
@@ -999,7 +993,6 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
     import asyncio
     from types import SimpleNamespace
 
-    from omlx.cache import prefix_cache
     from omlx.engine.llm_engine import LLMEngine
     from omlx.engine.request import GenerationRequest, SamplingParams
 
@@ -1037,7 +1030,7 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
     made[-1].tiers.ssd.close()
 
     e2 = engine(tmp_path)  # after a restart: the prefix is on the SSD only
-    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
     real_load = SSDTier._load
 
     def slow_load(self, *args):  # a slow disk: 0.6 s a block, on the reader threads
@@ -1121,15 +1114,14 @@ def prompt_in_ram() -> tuple[CacheStore, PrefixCache, list[int]]:
 def test_a_ram_run_moves_to_device_memory_a_chunk_per_engine_loop(monkeypatch) -> None:
     """Restoring from RAM copies host -> device (~2 GB/s through MLX on CUDA): done in `lookup`
     at once, every stream waits for all of it; `advance` moves a bounded chunk per loop."""
-    from omlx.cache import prefix_cache
 
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     store, cache, tokens = prompt_in_ram()
     assert store.warm.stats()["blocks"] == 9 and store.hot.stats()["blocks"] == 0
     cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
     cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
-    monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 2 * block_bytes)
+    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.read_ahead.RESTORE_CHUNK", 2 * block_bytes)
     pending = cache.prefetch(tokens, lambda: None)
     assert pending is not None and pending.needs_engine and not pending.futures
     in_device = []
@@ -1163,12 +1155,11 @@ def test_each_restore_decision_of_an_admission_is_logged_once(
     # slow) or left for recomputing (fast)
     import logging
 
-    from omlx.cache import prefix_cache
 
     store, cache, tokens = prompt_in_ram()
     cache.prefill.observe(1000, 0, 1000 * recompute_per_token)
     cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
     with caplog.at_level(logging.DEBUG, logger="omlx.cache"):
         pending = cache.prefetch(tokens, lambda: None)
         if pending is not None:
@@ -1187,7 +1178,6 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     import asyncio
     from types import SimpleNamespace
 
-    from omlx.cache import prefix_cache
     from omlx.engine.llm_engine import LLMEngine
     from omlx.engine.request import GenerationRequest, SamplingParams
 
@@ -1236,8 +1226,8 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         push_out()
         made[-1].prefill.observe(100, 0, 100.0)  # recomputing is slow: restore
         made[-1].warm_rate.observe(1e9, 1.0)
-        monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
-        monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop, while others run
+        monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+        monkeypatch.setattr("omlx.cache.read_ahead.RESTORE_CHUNK", 1)  # a block per loop, while others run
         monkeypatch.setattr(PrefixCache, "advance", counting)
         real_observe = made[-1].warm_rate.observe
         monkeypatch.setattr(made[-1].warm_rate, "observe", lambda n, s: observed.append(n) or real_observe(n, s))
@@ -1270,7 +1260,6 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
 
 def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]:
     """A cache whose 8-block chain (plus a 1-token tail) sits in RAM only, rates measured."""
-    from omlx.cache import prefix_cache
 
     store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
     cache = PrefixCache(store, FP, LAYERS, "m")
@@ -1280,7 +1269,7 @@ def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]
     store.hot.set_max_bytes(hot_bytes)
     cache.prefill.observe(100, 0, 100.0)
     cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
     return cache, tokens
 
 
@@ -1427,14 +1416,13 @@ def test_blocks_a_restore_pushes_out_wait_for_the_idle_engine_beyond_the_bound(m
 def test_a_prefetch_moving_a_block_per_loop_lets_what_it_pushes_out_wait_too(monkeypatch) -> None:
     # the allowance is the restore's, not one chunk's: at 8B, a prefetch past the bound copied
     # out on the spot and moved 2.5 GB at ~1.5 GB/s
-    from omlx.cache import prefix_cache
 
     store = CacheStore(HotTier(4 * BLOCK_BYTES), None, B, warm=HotTier(1 << 30), demote_bound=1)
     cache = PrefixCache(store, FP, LAYERS, "m")
     cache.prefill.observe(100, 0, 100.0)
     cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr(prefix_cache, "PREFETCH_MIN_BYTES", 1)
-    monkeypatch.setattr(prefix_cache, "RESTORE_CHUNK", 1)  # a block per loop
+    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.read_ahead.RESTORE_CHUNK", 1)  # a block per loop
     a, b = list(range(10, 10 + 2 * B)), list(range(500, 500 + 4 * B))
     cache.store(a, kv(len(a)), final=True)
     copies = counted_host_copies(monkeypatch)
@@ -1457,7 +1445,6 @@ def test_a_prefetch_moving_a_block_per_loop_lets_what_it_pushes_out_wait_too(mon
 def test_blocks_the_hot_tier_lets_go_reach_ram_from_their_own_engine_when_it_is_idle(monkeypatch) -> None:
     # copied at eviction, the device -> host copy held up the engine that stored (and every
     # request behind it); now it waits in device memory for an idle loop, a chunk at a time
-    from omlx.cache import prefix_cache
 
     store, (cache,) = demoting(1 << 20)
     copies = counted_host_copies(monkeypatch)
@@ -1465,7 +1452,7 @@ def test_blocks_the_hot_tier_lets_go_reach_ram_from_their_own_engine_when_it_is_
     cache.store(tokens, kv(len(tokens)), final=True)
     assert copies == [] and store.stats()["demoting_bytes"] == 4 * BLOCK_BYTES  # 4 of 6 let go
     assert cache.write_back(idle=False) and copies == []  # a busy engine: not yet
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", BLOCK_BYTES)
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)
     assert cache.write_back(idle=True) and len(copies) == 1 and store.warm.stats()["blocks"] == 1
     caches, n = cache.lookup(tokens)  # wanted again: taken back from device memory, not copied
     assert n == 6 * B - 1 and len(copies) == 1  # all but the last token
@@ -1509,13 +1496,12 @@ def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unloa
 def test_a_block_waiting_for_both_the_ssd_and_ram_is_copied_out_once(tmp_path: Path, monkeypatch) -> None:
     import collections
 
-    from omlx.cache import prefix_cache
 
     ssd = SSDTier(tmp_path, 1 << 30)
     assert ssd.wait_ready(10)
     store = CacheStore(HotTier(2 * BLOCK_BYTES), ssd, B, warm=HotTier(1 << 30), demote_bound=1 << 20)
     cache = PrefixCache(store, FP, LAYERS, "m")
-    monkeypatch.setattr(prefix_cache, "WRITE_BACK_CHUNK", BLOCK_BYTES)
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)
     copies = counted_host_copies(monkeypatch)
     tokens = list(range(10, 10 + 6 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
@@ -1523,7 +1509,7 @@ def test_a_block_waiting_for_both_the_ssd_and_ram_is_copied_out_once(tmp_path: P
     assert n == 6 * B - 1
 
     def consistent() -> bool:
-        return store.stats()["demoting_bytes"] == sum(b.nbytes for b, _ in store._leaving.values())
+        return store.stats()["demoting_bytes"] == sum(b.nbytes for b in store.directory.leaving_blocks())
 
     assert consistent()
     while cache.write_back(idle=True):

@@ -1,0 +1,242 @@
+"""Where each block is: one `Residency` per key (`CacheStore.residency`), the states between
+the tiers kept by one `BlockDirectory` under one lock that the hot and RAM tiers share
+(`HotTier.share_lock`); callers deciding on several states hold `lock` (reentrant)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from omlx.cache.block import CacheBlock, HostBlock
+
+
+class Residency(enum.Flag):
+    """A block's state: one value per key, of flags that may combine (a hot block may be
+    unwritten, a RAM block on the SSD too)."""
+
+    NONE = 0
+    HOT = enum.auto()  # in the hot tier (device memory, within its budget)
+    RAM = enum.auto()  # in the RAM tier (host memory)
+    WRITING = enum.auto()  # queued for the SSD writer or being written
+    SSD = enum.auto()  # a file of the SSD tier
+    UNWRITTEN = enum.auto()  # stored, waits in device memory to be handed to the SSD writer
+    EVICTED = enum.auto()  # unwritten, let go by the hot tier on another model's thread
+    LEAVING = enum.auto()  # let go by the hot tier, waits in device memory for its copy to RAM
+    STAGED = enum.auto()  # read ahead from the SSD (host bytes) for the next lookup
+
+
+ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.LEAVING  # device memory holds it
+
+
+@dataclass
+class _Entry:
+    state: Residency
+    block: CacheBlock | None = None  # the device copy (UNWRITTEN, LEAVING)
+    staged: HostBlock | None = None  # the bytes read ahead (STAGED)
+    generation: int = 0  # of the store when it began to leave (LEAVING)
+
+
+class BlockDirectory:
+    """Each key's `Residency` and what it holds, with the orders the waits are served in
+    (unwritten: per model, oldest stored first; leaving: oldest let go first)."""
+
+    def __init__(self, lock: threading.RLock | None = None) -> None:
+        self.lock = lock if lock is not None else threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._unwritten: dict[str, OrderedDict[str, None]] = {}  # fingerprint -> keys
+        self._unwritten_bytes: dict[str, int] = {}
+        self._leaving: OrderedDict[str, None] = OrderedDict()
+        self.leaving_bytes = 0
+
+    def state(self, key: str) -> Residency:
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry.state if entry is not None else Residency.NONE
+
+    def on_device(self, key: str) -> bool:
+        """Whether device memory holds the block outside the hot tier (unwritten or leaving)."""
+        return bool(self.state(key) & (Residency.UNWRITTEN | Residency.LEAVING))
+
+    def _set(self, key: str, state: Residency, **fields: object) -> _Entry:
+        """Add `state` to `key`'s (caller holds the lock)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(Residency.NONE)
+        entry.state |= state
+        for name, value in fields.items():
+            setattr(entry, name, value)
+        return entry
+
+    def _unset(self, key: str, state: Residency) -> _Entry | None:
+        """Remove `state` from `key`'s; its entry, None when it had none of `state` (caller
+        holds the lock)."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.state & state:
+            return None
+        entry.state &= ~state
+        if not entry.state:
+            del self._entries[key]
+        return entry
+
+    # ----- waiting for the SSD writer (`write_back`) -----------------------------------
+    def await_write(self, block: CacheBlock) -> None:
+        """`block` was stored: it waits for the SSD writer (behind its model's others)."""
+        with self.lock:
+            if self.state(block.key) & Residency.UNWRITTEN:
+                return
+            self._set(block.key, Residency.UNWRITTEN, block=block)
+            self._unwritten.setdefault(block.fingerprint, OrderedDict())[block.key] = None
+            self._unwritten_bytes[block.fingerprint] = self._unwritten_bytes.get(block.fingerprint, 0) + block.nbytes
+
+    def unwritten_block(self, key: str) -> CacheBlock | None:
+        with self.lock:
+            entry = self._entries.get(key)
+            return entry.block if entry is not None and entry.state & Residency.UNWRITTEN else None
+
+    def unwritten(self, fingerprint: str) -> int:
+        """How many of that model's blocks wait for the SSD writer."""
+        with self.lock:
+            return len(self._unwritten.get(fingerprint, ()))
+
+    def unwritten_bytes(self, fingerprint: str) -> int:
+        with self.lock:
+            return self._unwritten_bytes.get(fingerprint, 0)
+
+    def unwritten_count(self) -> int:
+        """Blocks of every model that wait for the SSD writer."""
+        with self.lock:
+            return sum(len(keys) for keys in self._unwritten.values())
+
+    def next_unwritten(self, fingerprint: str) -> tuple[CacheBlock | None, bool]:
+        """The block of that model to hand to the writer next: one the hot tier let go on
+        another thread first (then True), else the oldest stored; (None, False) when none."""
+        with self.lock:
+            keys = self._unwritten.get(fingerprint)
+            if not keys:
+                return None, False
+            for key in keys:
+                entry = self._entries[key]
+                if entry.state & Residency.EVICTED:
+                    return entry.block, True
+            return self._entries[next(iter(keys))].block, False
+
+    def mark_evicted(self, key: str) -> None:
+        """An unwritten block the hot tier let go on another model's thread: its own engine
+        hands it over first (`next_unwritten`)."""
+        with self.lock:
+            if self.state(key) & Residency.UNWRITTEN:
+                self._set(key, Residency.EVICTED)
+
+    def take_unwritten(self, block: CacheBlock) -> bool:
+        """`block` no longer waits for the writer (handed over); whether it did."""
+        with self.lock:
+            entry = self._entries.get(block.key)
+            if entry is None or not entry.state & Residency.UNWRITTEN:
+                return False
+            self._unset(block.key, Residency.UNWRITTEN | Residency.EVICTED)
+            if not entry.state & Residency.LEAVING:
+                entry.block = None
+            keys = self._unwritten[block.fingerprint]
+            del keys[block.key]
+            self._unwritten_bytes[block.fingerprint] -= block.nbytes
+            if not keys:
+                del self._unwritten[block.fingerprint], self._unwritten_bytes[block.fingerprint]
+            return True
+
+    def drop_unwritten(self, fingerprint: str) -> int:
+        """None of that model's blocks waits for the writer any more; how many did."""
+        with self.lock:
+            keys = list(self._unwritten.get(fingerprint, ()))
+            for key in keys:
+                block = self._entries[key].block
+                assert block is not None
+                self.take_unwritten(block)
+            return len(keys)
+
+    # ----- waiting for the copy to RAM (`CacheStore.demote`) ---------------------------
+    def leave(self, block: CacheBlock, generation: int) -> bool:
+        """`block` waits in device memory for its copy to RAM; False (refreshed in the order)
+        when it waited already."""
+        with self.lock:
+            if self.state(block.key) & Residency.LEAVING:
+                self._leaving.move_to_end(block.key)
+                return False
+            entry = self._set(block.key, Residency.LEAVING, generation=generation)
+            if entry.block is None:
+                entry.block = block
+            self._leaving[block.key] = None
+            self.leaving_bytes += block.nbytes
+            return True
+
+    def is_leaving(self, key: str) -> bool:
+        return bool(self.state(key) & Residency.LEAVING)
+
+    def reclaim(self, key: str) -> tuple[CacheBlock | None, int]:
+        """A block waiting for its copy to RAM, taken back (no copy is needed now), with the
+        store's generation when it began to leave; (None, 0) when it did not wait."""
+        with self.lock:
+            entry = self._entries.get(key)
+            if entry is None or not entry.state & Residency.LEAVING:
+                return None, 0
+            block, generation = entry.block, entry.generation
+            self._unset(key, Residency.LEAVING)
+            if not entry.state & Residency.UNWRITTEN:
+                entry.block = None
+            del self._leaving[key]
+            assert block is not None
+            self.leaving_bytes -= block.nbytes
+            return block, generation
+
+    def oldest_leaving(self, fingerprint: str) -> CacheBlock | None:
+        """That model's block that began to leave first, or None."""
+        with self.lock:
+            for key in self._leaving:
+                block = self._entries[key].block
+                if block is not None and block.fingerprint == fingerprint:
+                    return block
+            return None
+
+    def any_leaving(self) -> bool:
+        with self.lock:
+            return bool(self._leaving)
+
+    def leaving_blocks(self) -> Iterator[CacheBlock]:
+        """The blocks waiting for their copy to RAM (a snapshot)."""
+        with self.lock:
+            blocks = [self._entries[key].block for key in self._leaving]
+        return iter([b for b in blocks if b is not None])
+
+    # ----- read ahead for the next lookup (`PrefixCache.take`) -------------------------
+    def stage(self, held: HostBlock) -> None:
+        with self.lock:
+            self._set(held.key, Residency.STAGED, staged=held)
+
+    def is_staged(self, key: str) -> bool:
+        return bool(self.state(key) & Residency.STAGED)
+
+    def unstage(self, key: str) -> HostBlock | None:
+        """The bytes read ahead for `key`, no longer staged; None when none were."""
+        with self.lock:
+            entry = self._unset(key, Residency.STAGED)
+            if entry is None:
+                return None
+            held, entry.staged = entry.staged, None
+            return held
+
+    def unstage_all(self, fingerprint: str) -> None:
+        """What was read ahead for that model and not used goes."""
+        with self.lock:
+            for key in [k for k, e in self._entries.items() if e.staged is not None and e.staged.fingerprint == fingerprint]:
+                self.unstage(key)
+
+    def clear(self) -> None:
+        """Nothing waits any more (`CacheStore.clear`)."""
+        with self.lock:
+            self._entries.clear()
+            self._unwritten.clear()
+            self._unwritten_bytes.clear()
+            self._leaving.clear()
+            self.leaving_bytes = 0

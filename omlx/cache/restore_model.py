@@ -1,0 +1,153 @@
+"""Restore or recompute: whether a run of cached blocks on a slower tier is worth restoring,
+judged from each tier's measured rate against the fitted prefill cost. No MLX here; the
+reasons and their measurements are in docs/design/restore-or-recompute.md."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omlx.cache.prefill_cost import PrefillCost
+
+log = logging.getLogger("omlx.cache")
+
+# A slow tier is restored from only when its estimate beats recomputing by this factor: a
+# restore from host memory varies more than a prefill, so close calls recompute.
+RESTORE_MARGIN = 0.8
+# The first restore from a tier never measured times a part of the run first: up to an eighth
+# of it, in groups of 1, 2, 4 ... blocks, while that is expected to stay within this share of
+# recomputing the whole run.
+PROBE_SHARE = 0.1
+# A tier judged slower than recomputing this many times in a row is probed again the same way,
+# so one slow measurement (a disk busy with another process) does not turn it off for good.
+REPROBE_AFTER = 16
+
+
+class Throughput:
+    """A tier's restore rate in bytes/s: decayed bytes over decayed seconds, so each restore
+    counts by its size (a one-block probe must not outvote a whole run)."""
+
+    def __init__(self, decay: float = 0.7):
+        self.decay = decay
+        self._bytes = 0.0
+        self._seconds = 0.0
+        self.skipped = 0  # restores judged slower than recomputing since the last measurement
+
+    @property
+    def value(self) -> float | None:
+        return self._bytes / self._seconds if self._seconds > 0 else None
+
+    def observe(self, amount: float, seconds: float) -> None:
+        if seconds <= 0 or amount <= 0:
+            return
+        self._bytes = self.decay * self._bytes + amount
+        self._seconds = self.decay * self._seconds + seconds
+        self.skipped = 0
+
+    def forget(self) -> None:
+        """Drop what was measured (a probe is to replace it)."""
+        self._bytes = self._seconds = 0.0
+
+    def state(self) -> list[float]:
+        return [self._bytes, self._seconds]
+
+    def load(self, state: Any) -> None:
+        if state is not None:
+            self._bytes, self._seconds = (float(x) for x in state)
+
+    @property
+    def stale(self) -> bool:
+        """Never measured, or judged slower `REPROBE_AFTER` times in a row: to be timed again."""
+        return self.value is None or self.skipped >= REPROBE_AFTER
+
+
+class RestoreModel:
+    """One model's restore-or-recompute measurements: its prefill cost on this device, the
+    restore rates of the SSD, of moves from RAM and of copies from RAM, and its KV bytes per
+    token; `judge` weighs a run's restore against recomputing it at its depth."""
+
+    def __init__(self, model_id: str = "", attention: float | None = None):
+        self.model_id = model_id
+        self.prefill = PrefillCost(prior=attention)  # `attention`: the model's b/a
+        self.ssd_rate = Throughput()  # bytes/s of SSD restores
+        self.warm_rate = Throughput()  # ... of restores moved from host RAM (the warm tier)
+        self.warm_copy_rate = (
+            Throughput()
+        )  # ... and copied from it (a run the hot tier cannot keep)
+        self.bytes_per_token = 0
+
+    def learn_size(self, nbytes: int, tokens: int) -> None:
+        """The KV bytes per token, from the first block seen."""
+        if not self.bytes_per_token:
+            self.bytes_per_token = nbytes // max(1, tokens)
+
+    def due_probe(self, rate: Throughput) -> bool:
+        """Whether a restore from that tier times a part of its run first: the tier is stale
+        and the recompute side is known."""
+        return rate.stale and self.prefill.observations > 0
+
+    def probe_budget(self, n_tokens: int, depth: int) -> float:
+        """The seconds a probe of a run may take: `PROBE_SHARE` of recomputing it."""
+        return PROBE_SHARE * (self.prefill.seconds(n_tokens, depth) or 0.0)
+
+    def pays(self, n_tokens: int, depth: int, rate: Throughput) -> bool:
+        """Restore `n_tokens` from a tier (its measured bytes/s) only when that clearly beats
+        recomputing them after the `depth` tokens before them (`RESTORE_MARGIN`); logged."""
+        pays, why = self.judge(n_tokens, depth, rate)
+        log_judgement(why)
+        return pays
+
+    def judge(
+        self, n_tokens: int, depth: int, rate: Throughput
+    ) -> tuple[bool, tuple[Any, ...] | None]:
+        """`pays`' verdict, and its debug line's arguments (None when not logged)."""
+        recompute_s = self.prefill.seconds(n_tokens, depth)
+        if recompute_s is None or rate.value is None or not self.bytes_per_token:
+            return True, None  # no measurement yet: restoring is how we get one
+        restore_s = n_tokens * self.bytes_per_token / rate.value
+        pays = restore_s < RESTORE_MARGIN * recompute_s
+        if not log.isEnabledFor(logging.DEBUG):
+            return pays, None
+        c, a, b = self.prefill.terms()
+        return pays, (
+            self.model_id, n_tokens, depth, self.tier_name(rate), restore_s, rate.value / 1e9, recompute_s,
+            "restore" if pays else "recompute", c, a, b,
+        )  # fmt: skip
+
+    def tier_name(self, rate: Throughput) -> str:
+        return (
+            "SSD"
+            if rate is self.ssd_rate
+            else "RAM moves"
+            if rate is self.warm_rate
+            else "RAM copies"
+        )
+
+    def state(self) -> dict[str, Any]:
+        """What outlives the process (`cost_file.CostFile`)."""
+        return {
+            "prefill": self.prefill.state(),
+            "ssd_restores": self.ssd_rate.state(),  # [bytes, seconds], decayed
+            "warm_moves": self.warm_rate.state(),
+            "warm_copies": self.warm_copy_rate.state(),
+            "bytes_per_token": self.bytes_per_token,
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        """A saved `state` back; raises KeyError, TypeError or ValueError on a bad one."""
+        self.prefill.load(state["prefill"])
+        self.ssd_rate.load(state.get("ssd_restores"))
+        self.warm_rate.load(state.get("warm_moves"))
+        # files of an older format kept only copies from RAM, as "warm_restores"
+        self.warm_copy_rate.load(state.get("warm_copies") or state.get("warm_restores"))
+        self.bytes_per_token = int(state.get("bytes_per_token") or 0)
+
+
+def log_judgement(why: tuple[Any, ...] | None) -> None:
+    """The debug line of a restore-or-recompute decision (`RestoreModel.judge`)."""
+    if why is not None:
+        log.debug(
+            "%s: %d tokens at depth %d from %s: restore %.3fs (%.2f GB/s) vs recompute %.3fs: %s"
+            " (prefill fit: %.4fs + %.3gs/token + %.3gs/token/context token)",
+            *why,
+        )

@@ -1,0 +1,41 @@
+"""The token-level tail index: for each parent block, the children this process stored with
+their tokens, so a prompt that re-renders history differently still reuses everything up to
+its first differing token (bounded bookkeeping, oldest parents forgotten first)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+MAX_PARENTS = 50_000  # ~1 KB per entry
+MAX_SIBLINGS = 16
+
+
+class TailIndex:
+    """parent key ("" = root) → children stored by this process, with their tokens."""
+
+    def __init__(self) -> None:
+        self._children: OrderedDict[str, list[tuple[str, tuple[int, ...]]]] = OrderedDict()
+
+    def remember(self, parent: str | None, key: str, tokens: list[int]) -> None:
+        siblings = self._children.setdefault(parent or "", [])
+        self._children.move_to_end(parent or "")
+        if all(k != key for k, _ in siblings):
+            siblings.append((key, tuple(tokens)))
+            del siblings[:-MAX_SIBLINGS]
+        while len(self._children) > MAX_PARENTS:
+            self._children.popitem(last=False)
+
+    def candidates(self, parent: str | None, rest: list[int]) -> list[tuple[int, str]]:
+        """(tokens shared with `rest`, key) of `parent`'s children, the most shared first."""
+        return sorted(
+            ((common_prefix(toks, rest), key) for key, toks in self._children.get(parent or "", ())),
+            reverse=True,
+        )
+
+
+def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

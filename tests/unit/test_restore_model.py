@@ -1,0 +1,176 @@
+"""The restore-or-recompute model on its own: no MLX, no tiers, no model.
+
+Whether a run on a slower tier is restored is decided from numbers only (the tier's measured
+rate, the fitted prefill cost, the depth of the run), so it is tested with numbers only.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omlx.cache import cost_file, prefill_cost, restore_model
+from omlx.cache.cost_file import CostFile
+from omlx.cache.prefill_cost import PrefillCost
+from omlx.cache.restore_model import REPROBE_AFTER, RESTORE_MARGIN, RestoreModel, Throughput
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("module", [restore_model, prefill_cost, cost_file])
+def test_the_model_imports_no_mlx(module) -> None:
+    tree = ast.parse(Path(module.__file__).read_text())
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n == "mlx" or n.startswith(("mlx.", "mlx_lm"))]
+
+
+def test_the_model_loads_in_a_process_without_mlx() -> None:
+    code = "import sys, omlx.cache.restore_model, omlx.cache.cost_file; print([m for m in sys.modules if m.startswith('mlx')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def model_of(seconds_per_token: float, bytes_per_token: int = 1000) -> RestoreModel:
+    model = RestoreModel("m")
+    model.prefill.observe(1000, 0, 1000 * seconds_per_token)
+    model.bytes_per_token = bytes_per_token
+    return model
+
+
+def test_without_measurements_restoring_is_how_one_gets_them() -> None:
+    model = RestoreModel("m")
+    assert model.judge(1000, 0, model.ssd_rate) == (True, None)  # nothing known
+    model.prefill.observe(1000, 0, 1.0)
+    assert model.judge(1000, 0, model.ssd_rate)[0]  # the tier unmeasured
+    model.ssd_rate.observe(1e6, 1.0)
+    assert model.judge(1000, 0, model.ssd_rate)[0]  # bytes per token unknown
+
+
+def test_a_tier_faster_than_recomputing_by_the_margin_is_restored() -> None:
+    model = model_of(1e-3)  # 1,000 tokens: 1 s to recompute, 1 MB to restore
+    model.ssd_rate.observe(1e6, 1.0 * RESTORE_MARGIN * 0.9)  # a little inside the margin
+    assert model.pays(1000, 0, model.ssd_rate)
+    model.warm_rate.observe(1e6, 1.0 * RESTORE_MARGIN * 1.1)  # a little outside: a close call
+    assert not model.pays(1000, 0, model.warm_rate)
+
+
+def test_a_run_deep_in_the_context_costs_more_to_recompute() -> None:
+    # the attention over the tokens before a run is part of recomputing it
+    model = RestoreModel("m", attention=1e-3)
+    for n, depth in ((1000, 0), (2000, 0), (1000, 4000), (500, 8000)):
+        model.prefill.observe(n, depth, 1e-3 * n + 1e-6 * n * (depth + n / 2))
+    model.bytes_per_token = 1000
+    root = model.prefill.seconds(1000, 0)
+    deep = model.prefill.seconds(1000, 20_000)
+    assert deep > root
+    restore_s = (root + deep) / 2  # between the two: worth it only deep in
+    model.ssd_rate.observe(1000 * 1000, restore_s / RESTORE_MARGIN * 1.01)
+    assert not model.pays(1000, 0, model.ssd_rate)
+    assert model.pays(1000, 20_000, model.ssd_rate)
+
+
+def test_a_tier_is_probed_when_never_measured_or_skipped_many_times() -> None:
+    model = RestoreModel("m")
+    assert model.ssd_rate.stale and not model.due_probe(model.ssd_rate)  # nothing to weigh against
+    model.prefill.observe(1000, 0, 1.0)
+    assert model.due_probe(model.ssd_rate)
+    model.ssd_rate.observe(1e6, 1.0)
+    assert not model.due_probe(model.ssd_rate)
+    model.ssd_rate.skipped = REPROBE_AFTER
+    assert model.due_probe(model.ssd_rate)
+    model.ssd_rate.observe(1e6, 1.0)  # a new measurement starts the count again
+    assert model.ssd_rate.skipped == 0
+
+
+def test_a_probe_may_take_a_share_of_recomputing_the_run() -> None:
+    model = model_of(1e-3)
+    assert model.probe_budget(1000, 0) == pytest.approx(restore_model.PROBE_SHARE * 1.0)
+    assert RestoreModel("m").probe_budget(1000, 0) == 0.0
+
+
+def test_a_rate_weighs_each_restore_by_its_size_and_forgets_on_a_probe() -> None:
+    rate = Throughput()
+    rate.observe(1e6, 1e6 / 8e9)  # a small probe, fast per byte
+    rate.observe(4e9, 4e9 / 2e9)  # a whole run
+    assert rate.value < 2.1e9
+    rate.forget()
+    assert rate.value is None
+
+
+def test_the_size_is_learnt_from_the_first_block_only() -> None:
+    model = RestoreModel("m")
+    model.learn_size(4096, 16)
+    model.learn_size(1, 1)
+    assert model.bytes_per_token == 256
+
+
+def test_the_debug_line_names_the_tier_and_the_verdict(caplog: pytest.LogCaptureFixture) -> None:
+    model = model_of(1e-3)
+    model.warm_copy_rate.observe(1e6, 10.0)
+    with caplog.at_level("DEBUG", logger="omlx.cache"):
+        assert not model.pays(1000, 0, model.warm_copy_rate)
+    assert "from RAM copies" in caplog.text and ": recompute" in caplog.text
+
+
+def test_measurements_survive_in_their_file(tmp_path: Path) -> None:
+    model = model_of(1e-3)
+    model.ssd_rate.observe(1e6, 0.5)
+    model.warm_rate.observe(2e6, 0.5)
+    file = CostFile(tmp_path / "costs" / "fp-cpu.json")
+    file.save(model, force=True, wait=True)
+    again = RestoreModel("m")
+    file.load(again)
+    assert again.state() == model.state()
+    assert again.prefill.seconds(1000) == pytest.approx(model.prefill.seconds(1000))
+
+
+def test_an_older_file_s_ram_restores_count_as_copies(tmp_path: Path) -> None:
+    path = tmp_path / "fp-cpu.json"
+    state = model_of(1e-3).state()
+    state.pop("warm_moves"), state.pop("warm_copies")
+    path.write_text(json.dumps({**state, "warm_restores": [1.7e9, 1.0]}))
+    model = RestoreModel("m")
+    CostFile(path).load(model)
+    assert model.warm_rate.value is None and model.warm_copy_rate.value == 1.7e9
+
+
+def test_a_bad_file_only_costs_the_history(tmp_path: Path) -> None:
+    path = tmp_path / "fp-cpu.json"
+    path.write_text("{not json")
+    model = RestoreModel("m")
+    CostFile(path).load(model)
+    CostFile(tmp_path / "missing.json").load(model)
+    assert model.prefill.observations == 0
+
+
+def test_saves_between_forced_ones_are_spaced_out(tmp_path: Path) -> None:
+    file = CostFile(tmp_path / "fp-cpu.json")
+    model = model_of(1e-3)
+    file.save(model, force=True, wait=True)
+    model.prefill.observe(1000, 0, 2.0)
+    file.save(model, wait=True)  # within SAVE_EVERY_S of the last: not written
+    assert json.loads(file.path.read_text())["prefill"]["observations"] == 1
+    file.save(model, force=True, wait=True)
+    assert json.loads(file.path.read_text())["prefill"]["observations"] == 2
+
+
+def test_prefill_cost_fits_a_fixed_part_per_token_and_attention() -> None:
+    cost = PrefillCost()
+    for n, depth in ((64, 0), (1000, 0), (4000, 0), (1000, 8000), (2000, 16000)):
+        cost.observe(n, depth, 0.02 + 1e-4 * n + 1e-9 * n * (depth + n / 2))
+    c, a, b = cost.terms()
+    assert c == pytest.approx(0.02, rel=1e-3) and a == pytest.approx(1e-4, rel=1e-3)
+    assert b == pytest.approx(1e-9, rel=1e-2)
+    assert cost.seconds(1000, 0) == pytest.approx(1e-4 * 1000 + 1e-9 * 1000 * 500, rel=1e-2)
+
+
+def test_the_model_files_hold_no_machine_names_or_dates() -> None:
+    for module in (restore_model, prefill_cost, cost_file):
+        text = Path(module.__file__).read_text()
+        assert "H200" not in text and "2026" not in text
