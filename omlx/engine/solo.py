@@ -38,10 +38,6 @@ from omlx.engine.buffers import trim_buffer_cache
 Sampler = Callable[[mx.array], mx.array]
 # the most a batched chunk copies of its members' cached keys and values (`feed_chunks_together`)
 BATCH_COPY_LIMIT = 256 << 20
-# prefill chunks start and end on multiples of this on a CUDA GPU when no prefix cache sets it
-# (mlx-lm's `KVCache` grows in steps of 256 too); measured on an H200, prompts of new lengths
-# then prefilled as fast as a repeated length (0.047 vs 0.09-0.126 s for ~8,000 tokens of a 1B)
-PREFILL_QUANTUM = 256
 
 
 def plain_kv(cache: list[Any]) -> bool:
@@ -108,6 +104,33 @@ def _chunk_len(depth: int, todo: int, step: int) -> int:
 
 def _padding(n: int, depth: int, quantum: int) -> int:
     return (-n) % quantum if quantum and depth % quantum == 0 else 0
+
+
+def onto_built_shapes(
+    cache: list[Any] | None,
+    cached: int,
+    prompt_len: int,
+    step: int,
+    shapes: PrefillShapes | None,
+    quantum: int,
+    prefill_seconds: Callable[[int, int], float | None],
+) -> tuple[list[Any] | None, int]:
+    """A restored prefix ending between two multiples of the chunk `step` gives the prefill a
+    first chunk whose attention graph may not exist: cut it back to the multiple below when
+    that one's shape is built and the other's is not, and recomputing the tokens cut
+    (`prefill_seconds(tokens, depth)`) costs less than a build (docs/design/prefill-grid.md)."""
+    extra = cached % step if cache is not None and shapes is not None else 0
+    if not extra or prompt_len - 1 - cached <= step - extra:
+        return cache, cached  # a prompt ending before the multiple above has a last chunk's shape either way
+    base = cached - extra
+    if first_chunk_shape(cached, prompt_len - cached, step, quantum) in shapes:
+        return cache, cached
+    if first_chunk_shape(base, prompt_len - base, step, quantum) not in shapes:
+        return cache, cached  # a graph to build either way
+    recompute = prefill_seconds(extra, base)
+    if recompute is None or recompute >= GRAPH_BUILD_S:
+        return cache, cached
+    return align_cached(cache, cached, step)
 
 
 def first_chunk_shape(depth: int, todo: int, step: int, quantum: int) -> tuple[int, int, int] | None:
