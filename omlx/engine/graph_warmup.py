@@ -1,12 +1,10 @@
 """Attention graphs built before long prompts need them, while an engine is idle (CUDA).
 
-MLX's CUDA backend builds a cuDNN graph for each attention shape (query length, key length)
-the first time it meets it: 39-46 ms on an H200, against 1 ms for a hit
-(`benchmarks/gpu/sdpa_cache_probe.py`). A lone prompt is prefilled in chunks that end on
-multiples of the engine's solo step (2,048 tokens there), so every long prompt meets the same
-(2048, 2048 * j) shapes; yet the first 32,000-token prompt after a start paid ~15 builds:
-0.9-1.25 s against 0.33 s once warm. An idle engine therefore feeds a dummy prompt through
-the model in those very chunks, once, and drops its KV cache after.
+MLX's CUDA backend builds a cuDNN graph for each attention shape the first time it meets it.
+A lone prompt is prefilled in chunks that end on multiples of the engine's solo step, so every
+long prompt meets the same (step, step * j) shapes: an idle engine feeds a dummy prompt
+through the model in those very chunks, once, and drops its KV cache after
+(docs/design/graph-warmup.md).
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from omlx.engine.solo import PrefillShapes
 
 log = logging.getLogger("omlx.engine")
 
-# About this share of the device's memory holds the dummy prompt's KV cache (1 GB at 32,000
-# tokens for a 1B Llama, 4.2 GB for an 8B one): on a smaller GPU it stops short of the depth.
+# About this share of the device's memory holds the dummy prompt's KV cache: on a smaller GPU
+# it stops short of the depth.
 MEMORY_FRACTION = 0.05
 # Interrupted this many times by requests, it gives up: a server that busy builds the graphs
 # with its users' prompts anyway.

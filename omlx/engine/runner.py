@@ -1,12 +1,8 @@
 """Every MLX call of an engine, on its thread: mlx-lm's `BatchGenerator`, the solo sequence
-(solo.py), the engine's own prefill chunks, sampling faults, and stores into the prefix cache.
-
-The scheduler says what to run; the runner runs it and returns `TokenOut`s. A request that
-arrives to an idle engine runs as a `SoloSequence` until a second one arrives, then joins
-the batch with its cache (docs/design/solo-path.md); where the engine prefills (a CUDA GPU),
-newcomers to a busy engine are prefilled here a chunk per step and join the batch with their
-last prompt token (docs/design/prefill-grid.md). Its broad excepts are the engine's boundary
-for optional work (caching, warm-ups) and for one request's admission.
+(solo.py), the engine's own prefill chunks, sampling faults, stores into the prefix cache and
+the warm-ups. The scheduler says what to run; the runner runs it and returns `TokenOut`s.
+Its broad excepts are the engine's boundary for optional work (caching, warm-ups) and for one
+request's admission (docs/design/solo-path.md, prefill-grid.md).
 """
 
 from __future__ import annotations

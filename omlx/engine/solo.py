@@ -1,25 +1,16 @@
-"""One sequence decoding on its own, outside mlx-lm's `BatchGenerator`.
+"""One sequence prefilled and decoded on its own, outside mlx-lm's `BatchGenerator`.
 
-Why: with a single request in flight, a GPU decode step is bound by the host building the
-step's graph, and `BatchGenerator` builds more of it (a padded batch cache, per-sequence
-logits-processor and logprob slicing): on an H200 it decoded one sequence at ~0.70× of
-mlx-lm's `generate_step`. A `SoloSequence` runs the plain `KVCache` loop that
-`generate_step` runs (chunked prefill, then each step launches the next token's forward
-pass before reading the current token), and when a second request arrives the engine
-hands it to the `BatchGenerator` (`handoff`): its cache, the tokens in it, and the
-one token still to feed, so the batch continues exactly where the solo loop stopped.
+A lone request runs the plain `KVCache` loop that mlx-lm's `generate_step` runs (chunked
+prefill, then each step launches the next token's forward pass before reading the current
+one), cheaper per step than the batch; when a second request arrives the engine hands it to
+the `BatchGenerator` (`handoff`) with its cache, the tokens in it and the one token still to
+feed (docs/design/solo-path.md). The engine also prefills newcomers to a busy batch with
+`feed_chunk` and hands them over with their last prompt token.
 
-The engine also prefills newcomers to a busy batch with `feed_chunk` and hands them over
-with their last prompt token (see `omlx/engine/buffers.py` for why not mlx-lm's prefill).
-
-On a CUDA GPU, prefill attention runs a cuDNN graph that MLX builds per exact (query, key)
-shape, 40-75 ms each on an H200 (as long as prefilling 8,000 tokens of a 1B model), kept in
-an LRU. A server meets a new prompt length with nearly every request, so with the `quantum`
-every chunk's shape comes from a small grid that repeats: chunks start at a multiple of it
-(`align_cached`: a restored prefix is used in whole blocks of the prefix cache, the engine's
-quantum) and the last one is padded up to one, its padding trimmed from the cache after.
-Padding sits after the real tokens, so under the causal mask it changes none of their keys,
-values or logits.
+With a `quantum`, every chunk's attention shape comes from a small grid that repeats, so
+MLX's CUDA backend reuses the cuDNN graphs it built per shape: chunks start at a multiple of
+it (`align_cached`) and the last one is padded up to one, its padding trimmed from the cache
+after (docs/design/prefill-grid.md).
 """
 
 from __future__ import annotations
@@ -61,8 +52,7 @@ def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[li
     return cache, keep
 
 
-# Building a cuDNN attention graph for a shape met the first time: 39-46 ms on an H200
-# (benchmarks/gpu/sdpa_cache_probe.py), 40-75 ms seen as a first chunk's extra time in a server
+# Seconds to build a cuDNN attention graph for a shape met the first time (docs/design/prefill-grid.md)
 GRAPH_BUILD_S = 0.04
 
 
@@ -186,8 +176,7 @@ class SoloSequence:
         Launched, not waited for: the engine prefills several newcomers this way and waits
         for all of them at once (`wait`). Chunks end on multiples of the step size, counted
         from the sequence's start: then long prompts repeat the same (chunk, context) shapes
-        whatever was restored before them, and MLX's CUDA backend, which builds a cuDNN
-        attention graph per shape (~60 ms on an H200), reuses what it built."""
+        whatever was restored before them, whose attention graphs exist (prefill-grid.md)."""
         n = self.chunk_len()
         if n:
             chunk = self.todo[:n]
