@@ -98,6 +98,28 @@ class GraphWarmup:
         if self.done:
             self._cache = None
 
+    @classmethod
+    def for_model(
+        cls, model: Any, tokenizer: Any, eos_ids: list[int], depth: int, step: int, shapes: PrefillShapes | None
+    ) -> GraphWarmup | None:
+        """A warm-up `depth` tokens deep in chunks of `step` (None: not even one chunk)."""
+        if depth < step:
+            return None
+        from omlx.cache.setup import hot_tier_total_bytes  # the device's memory
+
+        token = next((t for t in tokenizer.encode("warm up") if t not in eos_ids), 0)
+        return cls(model, depth, step, token, int(hot_tier_total_bytes() * MEMORY_FRACTION), shapes)
+
+    def log_end(self, model_id: str) -> None:
+        """Its one log line once `over`."""
+        if self.done:
+            log.info(
+                "built the attention graphs of %s for prompts up to %d tokens in %.2fs (%d chunks, started over %d times after requests)",
+                model_id, self.depth, self.seconds, self.depth // self.step, self.pauses,
+            )  # fmt: skip
+        elif self.pauses >= MAX_RESTARTS:
+            log.info("attention-graph warm-up of %s: %s", model_id, self.error)
+
     def close(self, reason: str) -> None:
         """Stop for good (it failed, or its engine stops), dropping the dummy cache."""
         self._cache = None

@@ -27,7 +27,7 @@ from omlx.engine.kv_budget import KvBudget
 from omlx.engine.output import Output
 from omlx.engine.prompt_logprobs import token_logprob
 from omlx.engine.request import GenerationEvent, GenerationRequest
-from omlx.engine.request_state import RequestState, Status, TokenOut
+from omlx.engine.request_state import RequestState, Status, Update
 from omlx.engine.runner import Runner
 from omlx.engine.scheduler import Places, Scheduler
 from omlx.errors import EngineError
@@ -385,7 +385,7 @@ class LLMEngine:
                 runner.join_batch(state)  # the rest of its prompt with it
             return
         out = runner.solo_token(state, launch=False)
-        self._update([out])
+        self._apply(sched.update([out]))
         if state.status is Status.FINISHED:
             return  # that token ended it
         runner.store_solo_prompt(state)
@@ -396,34 +396,18 @@ class LLMEngine:
         self.solo_handoffs += 1
 
     def _step(self) -> None:
-        sched, runner = self.scheduler, self.runner
-        if sched.solo is not None:
-            state = sched.solo
-            out = runner.solo_step(state)
-            if out is not None:
-                self._update([out])
-                if state.status is not Status.FINISHED:
-                    runner.store_solo_prompt(state)  # once the first token is out
-            return
-        if sched.prefilling:
-            for state in runner.prefill_newcomers(sched.prefilling[: self.config.prefill_batch_size]):
-                sched.prefilling.remove(state)
-        # Prompt blocks are stored one step after their prefill ends at the earliest: that step
-        # produces the sequence's first token, which goes out before the store (`first_token_out`).
-        due, sched.prompt_stores = sched.prompt_stores, []
-        ended, outs = runner.batch_step(single=len(sched.running) == 1)
-        sched.prompt_stores.extend(ended)
-        self._update(outs)
-        for state in due:
-            if sched.running.get(state.id) is not state:  # a sequence that finished was stored whole
-                continue
-            if not state.first_token_out():
-                sched.prompt_stores.append(state)
-                continue
-            runner.store_batch_prompt(state)
+        """Schedule, run, update: one step of the running sequences."""
+        plan = self.scheduler.schedule(self.config.prefill_batch_size)
+        out = self.runner.run(plan)
+        result = self.scheduler.update_step(plan, out)
+        self._apply(result)
+        if plan.solo is not None and plan.solo.status is not Status.FINISHED:
+            self.runner.store_solo_prompt(plan.solo)  # once its first token is out
+        for state in result.prompt_stores:
+            self.runner.store_batch_prompt(state)
 
-    def _update(self, outs: list[TokenOut]) -> None:
-        result = self.scheduler.update(outs)
+    def _apply(self, result: Update) -> None:
+        """What an update leaves: sequences to stop, finished ones to store."""
         for state in result.dropped:
             self.runner.drop(state)
         for tokens, cache in result.stores:

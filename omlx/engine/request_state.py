@@ -97,12 +97,35 @@ class TokenOut:
 
 
 @dataclass
+class StepPlan:
+    """One step, as the scheduler plans it: the solo sequence's step, or the engine's prefill
+    chunks for `prefill` then a BatchGenerator step (`single`: one sequence runs); `due`:
+    batch prompts whose blocks may be stored after it."""
+
+    solo: RequestState | None = None
+    prefill: list[RequestState] = field(default_factory=list)
+    single: bool = False
+    due: list[RequestState] = field(default_factory=list)
+
+
+@dataclass
+class StepOut:
+    """What the runner made of a `StepPlan`: tokens, the newcomers whose prefill joined the
+    batch, and the prompts that ended with blocks worth storing."""
+
+    tokens: list[TokenOut] = field(default_factory=list)
+    joined: list[RequestState] = field(default_factory=list)
+    ended: list[RequestState] = field(default_factory=list)
+
+
+@dataclass
 class Update:
     """What `Scheduler.update` leaves to do: sequences to stop computing (a stop string ended
-    them), and finished sequences' (tokens, cache) to store."""
+    them), finished sequences' (tokens, cache) to store, and batch prompts to store now."""
 
     dropped: list[RequestState] = field(default_factory=list)
     stores: list[tuple[list[int], Any]] = field(default_factory=list)
+    prompt_stores: list[RequestState] = field(default_factory=list)
 
 
-__all__ = ["FIRST_TOKEN_GRACE_S", "RequestState", "Status", "TokenOut", "Update"]
+__all__ = ["FIRST_TOKEN_GRACE_S", "RequestState", "Status", "StepOut", "StepPlan", "TokenOut", "Update"]

@@ -20,12 +20,12 @@ from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.cache_hooks import PrefixCacheHooks
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
-from omlx.engine.graph_warmup import MAX_RESTARTS, MEMORY_FRACTION, GraphWarmup
+from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.kv_budget import KvBudget
 from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent
-from omlx.engine.request_state import RequestState, Status, TokenOut
+from omlx.engine.request_state import RequestState, Status, StepOut, StepPlan, TokenOut
 from omlx.engine.sampling import (
     Guarded,
     build_logits_processors,
@@ -80,6 +80,15 @@ class Runner:
         self.buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
         self._failures_seen = 0  # `Guarded.failures` when last looked
         self.bg = self.new_batch_generator()
+
+    def run(self, plan: StepPlan) -> StepOut:
+        """Run one planned step."""
+        if plan.solo is not None:
+            token = self.solo_step(plan.solo)
+            return StepOut(tokens=[token] if token is not None else [])
+        joined = self.prefill_newcomers(plan.prefill) if plan.prefill else []
+        ended, tokens = self.batch_step(plan.single)
+        return StepOut(tokens, joined, ended)
 
     # ----- the batch ---------------------------------------------------------------
     def new_batch_generator(self) -> BatchGenerator:
@@ -439,15 +448,10 @@ class Runner:
     def start_graph_warmup(self) -> dict[str, Any] | None:
         """Make the idle attention-graph warm-up where one is asked for; its progress."""
         depth = min(self.config.graph_warmup_tokens, self.context_length or self.config.graph_warmup_tokens)
-        step = self.config.solo_prefill_step_size
-        if depth < step:
-            return None
-        from omlx.cache.setup import hot_tier_total_bytes  # the device's memory
-
-        token = next((t for t in self.tokenizer.encode("warm up") if t not in self.eos_ids), 0)
-        budget = int(hot_tier_total_bytes() * MEMORY_FRACTION)
-        self.graph_warmup = GraphWarmup(self.model, depth, step, token, budget, self.shapes)
-        return self.graph_warmup.progress()
+        self.graph_warmup = GraphWarmup.for_model(
+            self.model, self.tokenizer, self.eos_ids, depth, self.config.solo_prefill_step_size, self.shapes
+        )
+        return self.graph_warmup.progress() if self.graph_warmup is not None else None
 
     def warm_graphs(self, idle: bool) -> dict[str, Any]:
         """One chunk of the graph warm-up when the process is idle, else pause it; its progress."""
@@ -466,19 +470,10 @@ class Runner:
                 warmup.close(f"failed: {exc}")
         progress = warmup.progress()
         if warmup.over:
-            self._graph_warmup_over(warmup)
+            self.graph_warmup = None
+            self.buffers_dirty = True  # what it left in MLX's buffer cache goes when idle
+            warmup.log_end(self.model_id)
         return progress
-
-    def _graph_warmup_over(self, warmup: GraphWarmup) -> None:
-        self.graph_warmup = None
-        self.buffers_dirty = True  # what it left in MLX's buffer cache goes when idle
-        if warmup.done:
-            log.info(
-                "built the attention graphs of %s for prompts up to %d tokens in %.2fs (%d chunks, started over %d times after requests)",
-                self.model_id, warmup.depth, warmup.seconds, warmup.depth // warmup.step, warmup.pauses,
-            )  # fmt: skip
-        elif warmup.pauses >= MAX_RESTARTS:
-            log.info("attention-graph warm-up of %s: %s", self.model_id, warmup.error)
 
     def clear_buffers_if_dirty(self, others_busy: bool) -> None:
         """Idle: empty MLX's buffer cache of what steps left, or of what other threads freed

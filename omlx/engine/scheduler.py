@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from omlx.engine.kv_budget import KvBudget
 from omlx.engine.output import Output
 from omlx.engine.request import GenerationEvent, GenerationRequest
-from omlx.engine.request_state import RequestState, Status, TokenOut, Update
+from omlx.engine.request_state import RequestState, Status, StepOut, StepPlan, TokenOut, Update
 from omlx.errors import OverloadedError, ServiceUnavailableError
 
 
@@ -271,7 +271,33 @@ class Scheduler:
         self.paused_for_memory += 1
         self.waiting.appendleft(state)
 
-    # ----- the runner's outputs -------------------------------------------------------
+    # ----- the step ------------------------------------------------------------------------
+    def schedule(self, prefill_batch: int) -> StepPlan:
+        """The next step: the solo sequence's, else up to `prefill_batch` newcomers' chunks and
+        a batch step; batch prompts waiting to be stored come due after it."""
+        if self.solo is not None:
+            return StepPlan(solo=self.solo)
+        due, self.prompt_stores = self.prompt_stores, []
+        return StepPlan(prefill=self.prefilling[:prefill_batch], single=len(self.running) == 1, due=due)
+
+    def update_step(self, plan: StepPlan, out: StepOut) -> Update:
+        """The runner's outputs for `plan`: tokens into events, newcomers that joined the
+        batch, prompt stores requested and those due now (the first token is out)."""
+        for state in out.joined:
+            self.prefilling.remove(state)
+        # stored one step after their prefill ends at the earliest: that step produces the
+        # sequence's first token, which goes out before the store
+        self.prompt_stores.extend(out.ended)
+        result = self.update(out.tokens)
+        for state in plan.due:
+            if self.running.get(state.id) is not state:  # a sequence that finished was stored whole
+                continue
+            if state.first_token_out():
+                result.prompt_stores.append(state)
+            else:
+                self.prompt_stores.append(state)
+        return result
+
     def update(self, outs: list[TokenOut]) -> Update:
         """Tokens into events (sent in one hand-over), finishes, and the stores they ask for."""
         result = Update()

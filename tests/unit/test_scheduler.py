@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
+from omlx.engine import request_state
 from omlx.engine.kv_budget import RESERVE_MARGIN_TOKENS, KvBudget
 from omlx.engine.output import Output
 from omlx.engine.request import GenerationEvent, GenerationRequest, TokenLogprob
-from omlx.engine.request_state import RequestState, Status, TokenOut
+from omlx.engine.request_state import RequestState, Status, StepOut, TokenOut
 from omlx.engine.scheduler import Admission, Admitted, Places, Scheduler, shared_blocks
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.errors import OverloadedError, ServiceUnavailableError
@@ -390,6 +391,49 @@ def test_logprobs_are_read_only_when_asked_for() -> None:
     admit_all(sched)
     sched.update([TokenOut(s, 5, logprobs="array")])
     assert sent[0][1].logprobs == [TokenLogprob(5, -1.0)]
+
+
+# ----- the step: plan and update ----------------------------------------------------------
+def test_the_solo_sequence_steps_alone_and_a_batch_step_takes_its_newcomers_and_due_stores() -> None:
+    sched, _ = make()
+    a = state("a")
+    sched.submit(a)
+    start(sched, next(sched.admissions()), Admission.SOLO)
+    plan = sched.schedule(prefill_batch=2)
+    assert plan.solo is a and not plan.prefill and not plan.due
+    sched.solo = None  # handed off
+    newcomers = [state(rid) for rid in "bcd"]
+    for s in newcomers:
+        sched.submit(s)
+    for s in sched.admissions():
+        start(sched, s, Admission.PREFILL)
+    sched.prompt_stores.append(a)
+    plan = sched.schedule(prefill_batch=2)
+    assert plan.solo is None and plan.prefill == newcomers[:2] and plan.due == [a] and not plan.single
+    assert sched.prompt_stores == []  # taken for after this step
+
+
+def test_a_steps_outputs_join_newcomers_request_prompt_stores_and_store_those_due(monkeypatch) -> None:
+    monkeypatch.setattr(request_state, "FIRST_TOKEN_GRACE_S", 1e9)  # a token not passed on stays not out
+    sched, _ = make()
+    a, b, c, d = state("a"), state("b"), state("c"), state("d")
+    for s in (a, b, c, d):
+        sched.submit(s)
+    for s in sched.admissions():
+        start(sched, s, Admission.PREFILL if s is d else Admission.BATCH)
+    for s in (a, b, c):
+        decode(sched, s)
+    a.first_out = True  # its first token has left the event loop
+    sched.prompt_stores = [a, b, c]
+    plan = sched.schedule(prefill_batch=8)
+    assert plan.prefill == [d] and plan.due == [a, b, c]
+    out = StepOut(
+        tokens=[TokenOut(c, 0, finish_reason="stop"), TokenOut(d, 9)], joined=[d], ended=[d]
+    )  # c finished: stored whole, not as a prompt
+    result = sched.update_step(plan, out)
+    assert result.prompt_stores == [a]  # b's first token is not out yet: it waits
+    assert sched.prompt_stores == [d, b] and sched.prefilling == []
+    assert c.status is Status.FINISHED and d.status is Status.DECODING
 
 
 # ----- failure recovery -------------------------------------------------------------------
