@@ -29,12 +29,9 @@ MAX_RESTARTS = 8
 
 
 class GraphWarmup:
-    """A dummy prompt of `depth` tokens, fed one `step`-sized chunk per `feed` call.
-
-    The engine calls `feed` only while no engine of the process has requests, so a request
-    that arrives meets at most one chunk in its way. Requests `pause` it: its cache is dropped
-    (it never holds memory that requests may need) and the next idle spell starts it over,
-    where chunks whose graphs exist already cost only their compute."""
+    """A dummy prompt of `depth` tokens, fed one `step`-sized chunk per `feed` call while no
+    engine of the process has requests; `pause` drops its cache, and the next idle spell
+    starts it over (docs/design/graph-warmup.md)."""
 
     def __init__(
         self, model: Any, depth: int, step: int, token: int, memory_budget: int, shapes: PrefillShapes | None = None

@@ -368,11 +368,9 @@ class LLMEngine:
             sched.admitted(state, runner.admit(state, alone=sched.solo_enabled and sched.idle))
 
     def _hand_off(self) -> None:
-        """Move the solo sequence towards the BatchGenerator, where it continues from its cache.
-
-        A prefilling one becomes a newcomer whose prefill goes on; a decoding one first
-        returns the token its last step computed (so no forward pass is in flight), and joins
-        with that token as the one left to feed."""
+        """Move the solo sequence towards the BatchGenerator: a prefilling one becomes a newcomer
+        whose prefill goes on; a decoding one returns the token its last step computed (no
+        forward pass in flight) and joins with that token left to feed (solo-path.md)."""
         sched, runner = self.scheduler, self.runner
         state = sched.solo
         sched.solo = None

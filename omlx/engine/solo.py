@@ -37,10 +37,8 @@ def plain_kv(cache: list[Any]) -> bool:
 
 
 def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[list[Any] | None, int]:
-    """`cache` cut to the largest multiple of `quantum` tokens it holds (at most quantum - 1
-    tokens to recompute, instead of attention shapes nobody has built). Cut as views ending
-    at the new depth, so the next write goes to a new buffer: the arrays may be a stored
-    block's own, which a write into spare capacity past the depth would change."""
+    """`cache` cut to the largest multiple of `quantum` tokens it holds, as views ending at the
+    new depth: the next write goes to a new buffer, never into a stored block's own arrays."""
     extra = cached % quantum if quantum and cache is not None else 0
     if not extra or not plain_kv(cache):
         return cache, cached
@@ -105,9 +103,8 @@ def onto_built_shapes(
     quantum: int,
     prefill_seconds: Callable[[int, int], float | None],
 ) -> tuple[list[Any] | None, int]:
-    """A restored prefix ending between two multiples of the chunk `step` gives the prefill a
-    first chunk whose attention graph may not exist: cut it back to the multiple below when
-    that one's shape is built and the other's is not, and recomputing the tokens cut
+    """A restored prefix cut back to the multiple of `step` below when that first chunk's
+    attention shape is built and its own is not, and recomputing the tokens cut
     (`prefill_seconds(tokens, depth)`) costs less than a build (docs/design/prefill-grid.md)."""
     extra = cached % step if cache is not None and shapes is not None else 0
     if not extra or prompt_len - 1 - cached <= step - extra:
@@ -171,12 +168,9 @@ class SoloSequence:
         return self.pending is None
 
     def feed_chunk(self) -> bool:
-        """Launch one chunk of the prompt, never its last token; True once only that is left.
-
-        Launched, not waited for: the engine prefills several newcomers this way and waits
-        for all of them at once (`wait`). Chunks end on multiples of the step size, counted
-        from the sequence's start: then long prompts repeat the same (chunk, context) shapes
-        whatever was restored before them, whose attention graphs exist (prefill-grid.md)."""
+        """Launch (not wait for: `wait`) one chunk of the prompt, never its last token; True once
+        only that is left. Chunks end on multiples of the step size counted from the
+        sequence's start, so long prompts repeat the same shapes (prefill-grid.md)."""
         n = self.chunk_len()
         if n:
             chunk = self.todo[:n]
@@ -211,10 +205,8 @@ class SoloSequence:
         mx.eval([c.state for c in self.cache])
 
     def prefill(self) -> bool:
-        """Feed one chunk of the prompt; True when the prompt is fed and a token is pending.
-
-        The last prompt token is fed alone, as mlx-lm does: the LM head then runs on one
-        position instead of a whole chunk."""
+        """Feed one chunk of the prompt; True when the prompt is fed and a token is pending (the
+        last prompt token is fed alone, as mlx-lm does: the LM head runs on one position)."""
         more = not self.feed_chunk()
         self.wait()
         trim_buffer_cache()
@@ -243,10 +235,8 @@ class SoloSequence:
         return value, logprobs
 
     def handoff(self, unfed: int | None = None) -> tuple[list[int], list[Any], list[int]]:
-        """(tokens still to feed, cache, tokens in the cache) for `BatchGenerator.insert`.
-
-        While prefilling, the rest of the prompt is still to feed; after `next(launch=False)`
-        returned the last token this loop produces, that token (`unfed`) is."""
+        """(tokens still to feed, cache, tokens in the cache) for `BatchGenerator.insert`: the
+        rest of the prompt while prefilling, else `unfed`, the token `next(launch=False)` returned."""
         assert self.pending is None, "a launched step cannot be handed off"
         todo = self.todo if unfed is None else [unfed]
         assert todo, "nothing left to feed"
@@ -264,19 +254,8 @@ class SoloSequence:
 
 def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
     """`feed_chunk` for each of `seqs` (launched, not waited for); which have only their last
-    prompt token left.
-
-    Those whose next chunk has the same shape (as many tokens in the cache, as many to feed:
-    requests with prompts of one length that arrived together) and plain `KVCache` layers go
-    through the model as one batch: one forward pass of (k, chunk) tokens instead of k of
-    (1, chunk), as mlx-lm's batched prefill does, without its clearing of MLX's buffer cache.
-    With a quantum, "same shape" is after padding, which follows each member's real tokens:
-    the batch takes the model's plain causal attention either way (no left padding).
-
-    Not batched: a whole step-sized chunk after others (the middle of a long prompt): its
-    forward pass already keeps the device busy, and batching it would copy every member's
-    cache into a batch cache again for each chunk. A last chunk after cached tokens is
-    batched only while that copy stays under `BATCH_COPY_LIMIT` bytes."""
+    prompt token left. Chunks of one shape (after padding) on plain `KVCache` layers go
+    through the model as one batch (docs/design/prefill-grid.md, "Batched chunks")."""
     groups: dict[tuple[int, int], list[SoloSequence]] = {}
     for seq in seqs:
         n = seq.chunk_len()
@@ -298,10 +277,8 @@ def _kv_bytes_per_token(seq: SoloSequence) -> int:
 
 
 def _feed_batch(members: list[SoloSequence], offset: int, width: int) -> None:
-    """One chunk of each of `members`, which have `offset` tokens cached each and chunks that
-    are `width` tokens long once padded (a quantum's padding lets chunks of several lengths
-    share a shape): their caches stacked into a batch cache, then each takes its row back
-    (views, no copies) up to its own end."""
+    """One chunk of each of `members` (`offset` tokens cached each, chunks `width` long once
+    padded): their caches stacked into a batch cache, then each takes its row back (views)."""
     batch = []
     for layer in range(len(members[0].cache)):
         c = KVCache()
