@@ -6,6 +6,7 @@ sets `loop`, `events`, `done` and `first_out`; the engine thread sets everything
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -18,6 +19,7 @@ from omlx.engine.request import GenerationEvent, GenerationRequest
 # must not keep the blocks from later requests), or when the request is cancelled first
 # (docs/design/solo-path.md, "Prompt stores after the first token").
 FIRST_TOKEN_GRACE_S = 0.05
+_seqs = itertools.count()
 
 
 class Status(Enum):
@@ -31,9 +33,11 @@ class Status(Enum):
 
 @dataclass(eq=False)
 class RequestState:
-    """A request's whole state; compared by identity."""
+    """A request's whole state; compared by identity, keyed by `seq` (unique in the process,
+    fixed for its life) where the engine keeps it."""
 
     request: GenerationRequest
+    seq: int = field(default_factory=lambda: next(_seqs))
     loop: Any = None  # the asyncio loop its events go to
     events: Any = None  # its asyncio.Queue of `GenerationEvent`s
     status: Status = Status.WAITING
@@ -65,6 +69,7 @@ class RequestState:
 
     @property
     def id(self) -> str:
+        """The request's own id (cancels name it)."""
         return self.request.request_id
 
     def release(self) -> None:

@@ -66,7 +66,7 @@ class Scheduler:
         self.by_id: dict[str, RequestState] = {}  # every request held and not finished
         self.waiting: deque[RequestState] = deque()
         self.restoring: dict[RequestState, Any] = {}  # -> its prefetch, until ready
-        self.running: dict[str, RequestState] = {}
+        self.running: dict[int, RequestState] = {}  # by `seq`, in admission order
         self.solo: RequestState | None = None  # the one running alone, if any
         self.prefilling: list[RequestState] = []  # newcomers the engine prefills, in arrival order
         self.prompt_stores: list[RequestState] = []  # batch prompts whose blocks are stored next step
@@ -86,7 +86,7 @@ class Scheduler:
             return None
         if state in self.waiting:
             self.waiting.remove(state)
-        elif self.restoring.pop(state, None) is None and self.running.get(state.id) is state:
+        elif self.restoring.pop(state, None) is None and self.running.get(state.seq) is state:
             return state
         _ended(state)
         return None
@@ -95,8 +95,8 @@ class Scheduler:
         """`state` has finished or was cancelled: it leaves every queue, and lets go of what
         its computation held (the asyncio side may hold the state a while longer)."""
         _ended(state)
-        if self.running.get(state.id) is state:
-            del self.running[state.id]
+        if self.running.get(state.seq) is state:
+            del self.running[state.seq]
         if self.by_id.get(state.id) is state:
             del self.by_id[state.id]
         if self.solo is state:
@@ -196,7 +196,7 @@ class Scheduler:
             state.status = Status.PREFILLING
             if self.budget is not None:
                 state.reserved = self.budget.reservation(state.prompt_len, state.request.max_tokens)
-        self.running[state.id] = state
+        self.running[state.seq] = state
         if kind is Admission.SOLO:
             self.solo = state
         elif kind is Admission.PREFILL:
@@ -264,7 +264,7 @@ class Scheduler:
 
     def paused(self, state: RequestState) -> None:
         """The runner stored a paused sequence's cache: it waits first in line."""
-        del self.running[state.id]
+        del self.running[state.seq]
         if state in self.prompt_stores:
             self.prompt_stores.remove(state)
         state.status = Status.PAUSED
@@ -290,7 +290,7 @@ class Scheduler:
         self.prompt_stores.extend(out.ended)
         result = self.update(out.tokens)
         for state in plan.due:
-            if self.running.get(state.id) is not state:  # a sequence that finished was stored whole
+            if self.running.get(state.seq) is not state:  # a sequence that finished was stored whole
                 continue
             if state.first_token_out():
                 result.prompt_stores.append(state)

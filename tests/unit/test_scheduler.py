@@ -89,6 +89,10 @@ def admit_all(sched: Scheduler, kind: Admission = Admission.BATCH) -> list[str]:
     return got
 
 
+def running_ids(sched: Scheduler) -> list[str]:
+    return [s.id for s in sched.running.values()]
+
+
 def decode(sched: Scheduler, s: RequestState, token: int = 5) -> None:
     sched.update([TokenOut(s, token)])
 
@@ -100,10 +104,20 @@ def test_requests_are_admitted_first_come_first_up_to_max_concurrent() -> None:
         sched.submit(state(rid))
     assert [s.status for s in sched.waiting] == [Status.WAITING] * 3
     assert admit_all(sched) == ["a", "b"]
-    assert list(sched.running) == ["a", "b"] and [s.id for s in sched.waiting] == ["c"]
+    assert running_ids(sched) == ["a", "b"] and [s.id for s in sched.waiting] == ["c"]
     assert all(s.status is Status.PREFILLING for s in sched.running.values())
-    sched.finish(sched.running["a"], "length")
+    sched.finish(next(iter(sched.running.values())), "length")
     assert admit_all(sched) == ["c"]
+
+
+def test_requests_that_share_an_id_run_side_by_side() -> None:
+    sched, sent = make()
+    a, b = state("same"), state("same")
+    sched.submit(a)
+    sched.submit(b)
+    assert admit_all(sched) == ["same", "same"] and list(sched.running.values()) == [a, b]
+    sched.finish(a, "length")
+    assert list(sched.running.values()) == [b] and sched.by_id["same"] is b
 
 
 def test_a_read_ahead_takes_a_place_and_comes_back_first_in_line() -> None:
@@ -182,12 +196,12 @@ def test_decoding_sequences_that_outgrow_memory_pause_the_newest_which_resumes_f
     assert victim is c and short == 303 - 250
     sched.prompt_stores.append(c)
     sched.paused(c)
-    assert c.status is Status.PAUSED and list(sched.waiting) == [c] and "c" not in sched.running
+    assert c.status is Status.PAUSED and list(sched.waiting) == [c] and c.seq not in sched.running
     assert c not in sched.prompt_stores and sched.paused_for_memory == 1
     assert sched.fits(c)  # a paused sequence goes on whatever it needs
     assert next(sched.admissions()) is c
     sched.admitted(c, Admitted(Admission.RESUMED))
-    assert c.status is Status.DECODING and sched.running["c"] is c
+    assert c.status is Status.DECODING and sched.running[c.seq] is c
 
 
 def test_a_lone_decoding_sequence_or_a_solo_one_is_never_paused() -> None:
@@ -340,7 +354,7 @@ def test_a_lone_request_runs_solo_and_a_second_one_hands_it_off_with_its_id() ->
     sched.solo = None
     a.solo = None
     a.uid = 17
-    assert sched.running["a"] is a and sched.by_id["a"] is a and not sched.prefilling_alone()
+    assert sched.running[a.seq] is a and sched.by_id["a"] is a and not sched.prefilling_alone()
     start(sched, next(sched.admissions()), Admission.PREFILL)
     assert sched.prefilling == [b] and not sched.hand_off_due()
 
@@ -368,7 +382,7 @@ def test_tokens_become_one_event_per_request_and_finishes_ask_for_stores() -> No
     assert result.stores == [([1, 2, 3, 5], "kv")]
     (s, event), = sent
     assert s is a and event.finish_reason == "stop" and event.text == "" and event.completion_tokens == 2
-    assert a.status is Status.FINISHED and list(sched.running) == ["b"] and a.generated == [5]
+    assert a.status is Status.FINISHED and running_ids(sched) == ["b"] and a.generated == [5]
 
 
 def test_a_stop_string_ends_the_request_and_asks_to_drop_its_sequence() -> None:
