@@ -77,7 +77,6 @@ class LLMEngine:
         self.graph_warmup_progress: dict[str, Any] | None = None  # published for /api/status
         self.leases = 0  # held by routes between acquire and release (event loop only)
         self.kind = "llm"
-        self.solo_handoffs = 0  # solo sequences moved into the BatchGenerator
         self.active_count = 0  # published by the engine thread for observers
         self.waiting_count = 0
         self.bridge = Bridge()
@@ -123,6 +122,11 @@ class LLMEngine:
     def paused_for_memory(self) -> int:
         """Sequences paused so far because the running ones outgrew memory."""
         return self.scheduler.paused_for_memory
+
+    @property
+    def solo_handoffs(self) -> int:
+        """Solo sequences moved into the BatchGenerator so far."""
+        return self.scheduler.handoffs
 
     @property
     def busy(self) -> bool:
@@ -372,15 +376,14 @@ class LLMEngine:
         whose prefill goes on; a decoding one returns the token its last step computed (no
         forward pass in flight) and joins with that token left to feed (solo-path.md)."""
         sched, runner = self.scheduler, self.runner
-        state = sched.solo
-        sched.solo = None
+        state = sched.leave_solo()
         if state.solo.prefilling:
             runner.leave_solo(state)
-            self.solo_handoffs += 1
             if self.config.own_prefill:
-                sched.prefilling.insert(0, state)  # it came first
+                sched.prefill_first(state)
             else:
                 runner.join_batch(state)  # the rest of its prompt with it
+                sched.joined_batch(state)
             return
         out = runner.solo_token(state, launch=False)
         self._apply(sched.update([out]))
@@ -388,10 +391,7 @@ class LLMEngine:
             return  # that token ended it
         runner.store_solo_prompt(state)
         runner.join_batch(state, out.token)
-        if state.store_prompt:  # its first token is not out yet: the batch stores it later
-            state.store_prompt = False
-            sched.prompt_stores.append(state)
-        self.solo_handoffs += 1
+        sched.joined_batch(state)
 
     def _step(self) -> None:
         """Schedule, run, update: one step of the running sequences."""

@@ -71,6 +71,7 @@ class Scheduler:
         self.prefilling: list[RequestState] = []  # newcomers the engine prefills, in arrival order
         self.prompt_stores: list[RequestState] = []  # batch prompts whose blocks are stored next step
         self.paused_for_memory = 0  # sequences paused so far because the running ones outgrew memory
+        self.handoffs = 0  # solo sequences moved towards the batch so far
 
     # ----- arrivals and departures --------------------------------------------------
     def submit(self, state: RequestState) -> None:
@@ -157,6 +158,26 @@ class Scheduler:
     def hand_off_due(self) -> bool:
         """A second request arrived while one runs alone: that one joins the batch first."""
         return bool(self.waiting) and self.solo is not None and self.max_concurrent > 1
+
+    # ----- the solo -> batch hand-off ---------------------------------------------------
+    def leave_solo(self) -> RequestState:
+        """The solo sequence gives up running alone (`hand_off_due`); it stays running."""
+        state, self.solo = self.solo, None
+        assert state is not None
+        return state
+
+    def prefill_first(self, state: RequestState) -> None:
+        """A solo prompt handed off mid-prefill: first among the newcomers the engine prefills."""
+        self.prefilling.insert(0, state)
+        self.handoffs += 1
+
+    def joined_batch(self, state: RequestState) -> None:
+        """A sequence left solo joined the batch: a prompt store still waiting for its first
+        token to go out goes with the batch's prompt stores."""
+        if state.store_prompt:
+            state.store_prompt = False
+            self.prompt_stores.append(state)
+        self.handoffs += 1
 
     # ----- admission -------------------------------------------------------------------
     def admissions(self) -> Iterator[RequestState]:

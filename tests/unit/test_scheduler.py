@@ -350,13 +350,28 @@ def test_a_lone_request_runs_solo_and_a_second_one_hands_it_off_with_its_id() ->
     assert sched.solo is a and sched.prefilling_alone() and not sched.hand_off_due()
     sched.submit(b)
     assert sched.hand_off_due() and not sched.idle
-    # the engine hands it off: its state and id go with it into the batch
-    sched.solo = None
-    a.solo = None
-    a.uid = 17
-    assert sched.running[a.seq] is a and sched.by_id["a"] is a and not sched.prefilling_alone()
+    assert sched.leave_solo() is a and sched.solo is None and not sched.prefilling_alone()
+    sched.prefill_first(a)  # mid-prefill: it goes on first among the newcomers
     start(sched, next(sched.admissions()), Admission.PREFILL)
-    assert sched.prefilling == [b] and not sched.hand_off_due()
+    assert sched.prefilling == [a, b] and sched.handoffs == 1 and not sched.hand_off_due()
+    # its state, id and place are the same before and after
+    assert sched.running[a.seq] is a and sched.by_id["a"] is a and a.status is Status.PREFILLING
+
+
+def test_a_decoding_solo_sequence_joins_the_batch_with_its_prompt_store_still_due() -> None:
+    sched, _ = make()
+    a = state("a")
+    sched.submit(a)
+    start(sched, next(sched.admissions()), Admission.SOLO)
+    decode(sched, a)
+    a.store_prompt = True  # its first token has not left the event loop yet
+    sched.submit(state("b"))
+    assert sched.leave_solo() is a
+    a.solo = None  # the runner moved it into the batch
+    sched.joined_batch(a)
+    assert sched.prompt_stores == [a] and not a.store_prompt and sched.handoffs == 1
+    assert a.status is Status.DECODING and sched.running[a.seq] is a
+    assert sched.schedule(prefill_batch=8).due == [a]  # stored after the batch's next step
 
 
 def test_hand_off_needs_room_for_two() -> None:
