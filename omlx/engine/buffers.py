@@ -1,16 +1,13 @@
 """When the engine hands MLX's buffer cache back.
 
-MLX keeps freed buffers for reuse. mlx-lm empties that cache (`mx.clear_cache`) after every
-prefill chunk; on a CUDA GPU that is slow (every cached buffer is freed one by one, and the
-next steps allocate theirs again): on an H200, 32 streams arriving over 0.3 s spent 16% of
-the engine thread in it, and each group of newcomers stalled the others' decoding. So on
-CUDA the engine prefills newcomers itself (`LLMEngine.own_prefill`, chunks of one shape
-batched; on a CPU mlx-lm's batched prefill stays faster, clears included). The engine's own prefills (solo requests, and
-newcomers on CUDA) trim the cache only when it holds a lot (a long prompt's KV cache grows
-by concatenation, and every outgrown buffer stays cached), and an engine that falls idle
-empties it; on CUDA an idle engine also empties what other threads freed into it meanwhile
-(`LLMEngine._foreign_buffers_cached`): buffers the host has read are managed memory, which
-the cache would otherwise hand to the next prefill.
+MLX keeps freed buffers for reuse; emptying the cache (`mx.clear_cache`) is slow on a CUDA
+GPU, where mlx-lm's prefill does it after every chunk, so there the engine prefills newcomers
+itself (`EngineConfig.own_prefill`). The engine's own prefills trim the cache only when it
+holds a lot (a long prompt's KV cache grows by concatenation, and every outgrown buffer stays
+cached), and an engine that falls idle empties it; on CUDA an idle engine also empties what
+other threads freed into it (`EngineConfig.idle_empties_cache`): buffers the host has read
+are managed memory, which the cache would otherwise hand to the next prefill
+(docs/design/prefill-grid.md).
 """
 
 from __future__ import annotations

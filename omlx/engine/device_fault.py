@@ -1,8 +1,8 @@
 """A GPU fault no request can recover from, and what the process does about it.
 
 Some CUDA errors are "sticky": after one, the process's CUDA context is unusable and every
-later call fails the same way, whatever the request (on an H200 with MLX 0.32.4 an
-"illegal memory access" made every later request fail with it). Only a new process gets a
+later call fails the same way, whatever the request (an "illegal memory access" has made
+every later request fail with it). Only a new process gets a
 working GPU again. So the first engine to meet one marks the device lost: the requests in
 flight fail, new ones get a 503, `/health` says why, and the server shuts down and exits
 with `EXIT_DEVICE_LOST` for its supervisor to restart it; the SSD cache keeps the prompt

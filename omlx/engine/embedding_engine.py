@@ -77,9 +77,8 @@ class EncoderEngine:
         self.memory_bytes = 0
         self.leases = 0
         self.context_length = 0
-        # Micro-batch limits (padded tokens, rows). On a CPU small batches are fastest
-        # (measured with MiniLM on 2 cores: 1k padded tokens ~15% faster than 8k); a GPU
-        # wants large ones.
+        # Micro-batch limits (padded tokens, rows). On a CPU small batches are fastest, a GPU
+        # wants large ones (docs/design/prefill-grid.md, "Encoder micro-batches").
         on_cpu = mx.default_device() == mx.cpu
         self.max_batch_tokens = max_batch_tokens or (1024 if on_cpu else 16384)
         self.max_batch_size = max_batch_size or (16 if on_cpu else 128)

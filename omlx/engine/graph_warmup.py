@@ -1,12 +1,10 @@
 """Attention graphs built before long prompts need them, while an engine is idle (CUDA).
 
-MLX's CUDA backend builds a cuDNN graph for each attention shape (query length, key length)
-the first time it meets it: 39-46 ms on an H200, against 1 ms for a hit
-(`benchmarks/gpu/sdpa_cache_probe.py`). A lone prompt is prefilled in chunks that end on
-multiples of the engine's solo step (2,048 tokens there), so every long prompt meets the same
-(2048, 2048 * j) shapes; yet the first 32,000-token prompt after a start paid ~15 builds:
-0.9-1.25 s against 0.33 s once warm. An idle engine therefore feeds a dummy prompt through
-the model in those very chunks, once, and drops its KV cache after.
+MLX's CUDA backend builds a cuDNN graph for each attention shape the first time it meets it.
+A lone prompt is prefilled in chunks that end on multiples of the engine's solo step, so every
+long prompt meets the same (step, step * j) shapes: an idle engine feeds a dummy prompt
+through the model in those very chunks, once, and drops its KV cache after
+(docs/design/graph-warmup.md).
 """
 
 from __future__ import annotations
@@ -22,8 +20,8 @@ from omlx.engine.solo import PrefillShapes
 
 log = logging.getLogger("omlx.engine")
 
-# About this share of the device's memory holds the dummy prompt's KV cache (1 GB at 32,000
-# tokens for a 1B Llama, 4.2 GB for an 8B one): on a smaller GPU it stops short of the depth.
+# About this share of the device's memory holds the dummy prompt's KV cache: on a smaller GPU
+# it stops short of the depth.
 MEMORY_FRACTION = 0.05
 # Interrupted this many times by requests, it gives up: a server that busy builds the graphs
 # with its users' prompts anyway.
@@ -31,12 +29,9 @@ MAX_RESTARTS = 8
 
 
 class GraphWarmup:
-    """A dummy prompt of `depth` tokens, fed one `step`-sized chunk per `feed` call.
-
-    The engine calls `feed` only while no engine of the process has requests, so a request
-    that arrives meets at most one chunk in its way. Requests `pause` it: its cache is dropped
-    (it never holds memory that requests may need) and the next idle spell starts it over,
-    where chunks whose graphs exist already cost only their compute."""
+    """A dummy prompt of `depth` tokens, fed one `step`-sized chunk per `feed` call while no
+    engine of the process has requests; `pause` drops its cache, and the next idle spell
+    starts it over (docs/design/graph-warmup.md)."""
 
     def __init__(
         self, model: Any, depth: int, step: int, token: int, memory_budget: int, shapes: PrefillShapes | None = None
@@ -99,6 +94,28 @@ class GraphWarmup:
         self.seconds += time.perf_counter() - tic
         if self.done:
             self._cache = None
+
+    @classmethod
+    def for_model(
+        cls, model: Any, tokenizer: Any, eos_ids: list[int], depth: int, step: int, shapes: PrefillShapes | None
+    ) -> GraphWarmup | None:
+        """A warm-up `depth` tokens deep in chunks of `step` (None: not even one chunk)."""
+        if depth < step:
+            return None
+        from omlx.cache.setup import hot_tier_total_bytes  # the device's memory
+
+        token = next((t for t in tokenizer.encode("warm up") if t not in eos_ids), 0)
+        return cls(model, depth, step, token, int(hot_tier_total_bytes() * MEMORY_FRACTION), shapes)
+
+    def log_end(self, model_id: str) -> None:
+        """Its one log line once `over`."""
+        if self.done:
+            log.info(
+                "built the attention graphs of %s for prompts up to %d tokens in %.2fs (%d chunks, started over %d times after requests)",
+                model_id, self.depth, self.seconds, self.depth // self.step, self.pauses,
+            )  # fmt: skip
+        elif self.pauses >= MAX_RESTARTS:
+            log.info("attention-graph warm-up of %s: %s", model_id, self.error)
 
     def close(self, reason: str) -> None:
         """Stop for good (it failed, or its engine stops), dropping the dummy cache."""

@@ -1,9 +1,8 @@
 """Prompt chunks sized by time: each takes about `TARGET_CHUNK_S`, so a cancel, a newcomer or
 the other streams' next token never wait longer than about one chunk.
 
-An engine acts between chunks only. On a 2-core CPU a 512-token chunk 18k tokens into a 0.5B
-model's prompt took ~15 s; on such a device chunks shrink until they take about the target
-(prefill throughput there is set by attention over the context, not the chunk's size:
+An engine acts between chunks only. On a slow device chunks shrink until they take about the
+target (prefill throughput there is set by attention over the context, not the chunk's size:
 docs/design/prefill-pacing.md). Where chunks are fast (a GPU) they stay at their step, on the
 grid their attention graphs were built for.
 """

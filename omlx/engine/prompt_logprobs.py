@@ -1,4 +1,5 @@
-"""Log-probabilities of the prompt's own tokens, as evaluation harnesses ask via `echo`.
+"""Log-probabilities of the prompt's own tokens, as evaluation harnesses ask via `echo`,
+and of each generated token with its top alternatives (`token_logprob`).
 
 Runs on the engine thread with a private cache, chunked so long prompts do not
 materialise a full (tokens x vocab) matrix at once.
@@ -46,3 +47,16 @@ def compute_prompt_logprobs(model: Any, tokens: list[int], top: int) -> list[Tok
             top_j = [(t, finite_logprob(v)) for t, v in zip(idx_l[j], vals_l[j], strict=True)]
             out.append(TokenLogprob(tok, finite_logprob(float(lp)), top_j))
     return out
+
+
+def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+    """The chosen token's logprob and the `top` alternatives."""
+    chosen = logprobs[token].item()
+    alternatives: list[tuple[int, float]] = []
+    if top > 0:
+        top = min(top, logprobs.shape[-1])
+        idx = mx.argpartition(-logprobs, kth=top - 1)[:top]
+        vals = logprobs[idx]
+        order = mx.argsort(-vals)
+        alternatives = [(t, finite_logprob(v)) for t, v in zip(idx[order].tolist(), vals[order].tolist(), strict=True)]
+    return TokenLogprob(token, finite_logprob(float(chosen)), alternatives)

@@ -1,25 +1,16 @@
-"""One sequence decoding on its own, outside mlx-lm's `BatchGenerator`.
+"""One sequence prefilled and decoded on its own, outside mlx-lm's `BatchGenerator`.
 
-Why: with a single request in flight, a GPU decode step is bound by the host building the
-step's graph, and `BatchGenerator` builds more of it (a padded batch cache, per-sequence
-logits-processor and logprob slicing): on an H200 it decoded one sequence at ~0.70× of
-mlx-lm's `generate_step`. A `SoloSequence` runs the plain `KVCache` loop that
-`generate_step` runs (chunked prefill, then each step launches the next token's forward
-pass before reading the current token), and when a second request arrives the engine
-hands it to the `BatchGenerator` (`handoff`): its cache, the tokens in it, and the
-one token still to feed, so the batch continues exactly where the solo loop stopped.
+A lone request runs the plain `KVCache` loop that mlx-lm's `generate_step` runs (chunked
+prefill, then each step launches the next token's forward pass before reading the current
+one), cheaper per step than the batch; when a second request arrives the engine hands it to
+the `BatchGenerator` (`handoff`) with its cache, the tokens in it and the one token still to
+feed (docs/design/solo-path.md). The engine also prefills newcomers to a busy batch with
+`feed_chunk` and hands them over with their last prompt token.
 
-The engine also prefills newcomers to a busy batch with `feed_chunk` and hands them over
-with their last prompt token (see `omlx/engine/buffers.py` for why not mlx-lm's prefill).
-
-On a CUDA GPU, prefill attention runs a cuDNN graph that MLX builds per exact (query, key)
-shape, 40-75 ms each on an H200 (as long as prefilling 8,000 tokens of a 1B model), kept in
-an LRU. A server meets a new prompt length with nearly every request, so with the `quantum`
-every chunk's shape comes from a small grid that repeats: chunks start at a multiple of it
-(`align_cached`: a restored prefix is used in whole blocks of the prefix cache, the engine's
-quantum) and the last one is padded up to one, its padding trimmed from the cache after.
-Padding sits after the real tokens, so under the causal mask it changes none of their keys,
-values or logits.
+With a `quantum`, every chunk's attention shape comes from a small grid that repeats, so
+MLX's CUDA backend reuses the cuDNN graphs it built per shape: chunks start at a multiple of
+it (`align_cached`) and the last one is padded up to one, its padding trimmed from the cache
+after (docs/design/prefill-grid.md).
 """
 
 from __future__ import annotations
@@ -38,10 +29,6 @@ from omlx.engine.buffers import trim_buffer_cache
 Sampler = Callable[[mx.array], mx.array]
 # the most a batched chunk copies of its members' cached keys and values (`feed_chunks_together`)
 BATCH_COPY_LIMIT = 256 << 20
-# prefill chunks start and end on multiples of this on a CUDA GPU when no prefix cache sets it
-# (mlx-lm's `KVCache` grows in steps of 256 too); measured on an H200, prompts of new lengths
-# then prefilled as fast as a repeated length (0.047 vs 0.09-0.126 s for ~8,000 tokens of a 1B)
-PREFILL_QUANTUM = 256
 
 
 def plain_kv(cache: list[Any]) -> bool:
@@ -50,10 +37,8 @@ def plain_kv(cache: list[Any]) -> bool:
 
 
 def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[list[Any] | None, int]:
-    """`cache` cut to the largest multiple of `quantum` tokens it holds (at most quantum - 1
-    tokens to recompute, instead of attention shapes nobody has built). Cut as views ending
-    at the new depth, so the next write goes to a new buffer: the arrays may be a stored
-    block's own, which a write into spare capacity past the depth would change."""
+    """`cache` cut to the largest multiple of `quantum` tokens it holds, as views ending at the
+    new depth: the next write goes to a new buffer, never into a stored block's own arrays."""
     extra = cached % quantum if quantum and cache is not None else 0
     if not extra or not plain_kv(cache):
         return cache, cached
@@ -65,8 +50,7 @@ def align_cached(cache: list[Any] | None, cached: int, quantum: int) -> tuple[li
     return cache, keep
 
 
-# Building a cuDNN attention graph for a shape met the first time: 39-46 ms on an H200
-# (benchmarks/gpu/sdpa_cache_probe.py), 40-75 ms seen as a first chunk's extra time in a server
+# Seconds to build a cuDNN attention graph for a shape met the first time (docs/design/prefill-grid.md)
 GRAPH_BUILD_S = 0.04
 
 
@@ -108,6 +92,32 @@ def _chunk_len(depth: int, todo: int, step: int) -> int:
 
 def _padding(n: int, depth: int, quantum: int) -> int:
     return (-n) % quantum if quantum and depth % quantum == 0 else 0
+
+
+def onto_built_shapes(
+    cache: list[Any] | None,
+    cached: int,
+    prompt_len: int,
+    step: int,
+    shapes: PrefillShapes | None,
+    quantum: int,
+    prefill_seconds: Callable[[int, int], float | None],
+) -> tuple[list[Any] | None, int]:
+    """A restored prefix cut back to the multiple of `step` below when that first chunk's
+    attention shape is built and its own is not, and recomputing the tokens cut
+    (`prefill_seconds(tokens, depth)`) costs less than a build (docs/design/prefill-grid.md)."""
+    extra = cached % step if cache is not None and shapes is not None else 0
+    if not extra or prompt_len - 1 - cached <= step - extra:
+        return cache, cached  # a prompt ending before the multiple above has a last chunk's shape either way
+    base = cached - extra
+    if first_chunk_shape(cached, prompt_len - cached, step, quantum) in shapes:
+        return cache, cached
+    if first_chunk_shape(base, prompt_len - base, step, quantum) not in shapes:
+        return cache, cached  # a graph to build either way
+    recompute = prefill_seconds(extra, base)
+    if recompute is None or recompute >= GRAPH_BUILD_S:
+        return cache, cached
+    return align_cached(cache, cached, step)
 
 
 def first_chunk_shape(depth: int, todo: int, step: int, quantum: int) -> tuple[int, int, int] | None:
@@ -158,13 +168,9 @@ class SoloSequence:
         return self.pending is None
 
     def feed_chunk(self) -> bool:
-        """Launch one chunk of the prompt, never its last token; True once only that is left.
-
-        Launched, not waited for: the engine prefills several newcomers this way and waits
-        for all of them at once (`wait`). Chunks end on multiples of the step size, counted
-        from the sequence's start: then long prompts repeat the same (chunk, context) shapes
-        whatever was restored before them, and MLX's CUDA backend, which builds a cuDNN
-        attention graph per shape (~60 ms on an H200), reuses what it built."""
+        """Launch (not wait for: `wait`) one chunk of the prompt, never its last token; True once
+        only that is left. Chunks end on multiples of the step size counted from the
+        sequence's start, so long prompts repeat the same shapes (prefill-grid.md)."""
         n = self.chunk_len()
         if n:
             chunk = self.todo[:n]
@@ -199,10 +205,8 @@ class SoloSequence:
         mx.eval([c.state for c in self.cache])
 
     def prefill(self) -> bool:
-        """Feed one chunk of the prompt; True when the prompt is fed and a token is pending.
-
-        The last prompt token is fed alone, as mlx-lm does: the LM head then runs on one
-        position instead of a whole chunk."""
+        """Feed one chunk of the prompt; True when the prompt is fed and a token is pending (the
+        last prompt token is fed alone, as mlx-lm does: the LM head runs on one position)."""
         more = not self.feed_chunk()
         self.wait()
         trim_buffer_cache()
@@ -231,10 +235,8 @@ class SoloSequence:
         return value, logprobs
 
     def handoff(self, unfed: int | None = None) -> tuple[list[int], list[Any], list[int]]:
-        """(tokens still to feed, cache, tokens in the cache) for `BatchGenerator.insert`.
-
-        While prefilling, the rest of the prompt is still to feed; after `next(launch=False)`
-        returned the last token this loop produces, that token (`unfed`) is."""
+        """(tokens still to feed, cache, tokens in the cache) for `BatchGenerator.insert`: the
+        rest of the prompt while prefilling, else `unfed`, the token `next(launch=False)` returned."""
         assert self.pending is None, "a launched step cannot be handed off"
         todo = self.todo if unfed is None else [unfed]
         assert todo, "nothing left to feed"
@@ -252,19 +254,8 @@ class SoloSequence:
 
 def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
     """`feed_chunk` for each of `seqs` (launched, not waited for); which have only their last
-    prompt token left.
-
-    Those whose next chunk has the same shape (as many tokens in the cache, as many to feed:
-    requests with prompts of one length that arrived together) and plain `KVCache` layers go
-    through the model as one batch: one forward pass of (k, chunk) tokens instead of k of
-    (1, chunk), as mlx-lm's batched prefill does, without its clearing of MLX's buffer cache.
-    With a quantum, "same shape" is after padding, which follows each member's real tokens:
-    the batch takes the model's plain causal attention either way (no left padding).
-
-    Not batched: a whole step-sized chunk after others (the middle of a long prompt): its
-    forward pass already keeps the device busy, and batching it would copy every member's
-    cache into a batch cache again for each chunk. A last chunk after cached tokens is
-    batched only while that copy stays under `BATCH_COPY_LIMIT` bytes."""
+    prompt token left. Chunks of one shape (after padding) on plain `KVCache` layers go
+    through the model as one batch (docs/design/prefill-grid.md, "Batched chunks")."""
     groups: dict[tuple[int, int], list[SoloSequence]] = {}
     for seq in seqs:
         n = seq.chunk_len()
@@ -286,10 +277,8 @@ def _kv_bytes_per_token(seq: SoloSequence) -> int:
 
 
 def _feed_batch(members: list[SoloSequence], offset: int, width: int) -> None:
-    """One chunk of each of `members`, which have `offset` tokens cached each and chunks that
-    are `width` tokens long once padded (a quantum's padding lets chunks of several lengths
-    share a shape): their caches stacked into a batch cache, then each takes its row back
-    (views, no copies) up to its own end."""
+    """One chunk of each of `members` (`offset` tokens cached each, chunks `width` long once
+    padded): their caches stacked into a batch cache, then each takes its row back (views)."""
     batch = []
     for layer in range(len(members[0].cache)):
         c = KVCache()

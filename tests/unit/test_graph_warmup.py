@@ -89,7 +89,7 @@ def test_the_warmup_meets_the_attention_shapes_of_a_lone_long_prompt(model_path:
     warmup, prompt = drive(engine, main)
     assert warmup == [(32, 32), (32, 64), (32, 96)]
     assert set(warmup) <= set(prompt)  # the prompt's chunks reuse every graph the warm-up built
-    assert engine._graph_warmup is None  # its dummy cache is gone
+    assert engine.runner.graph_warmup is None  # its dummy cache is gone
 
 
 def test_requests_pause_the_warmup_and_are_answered_as_without_it(model_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_requests_pause_the_warmup_and_are_answered_as_without_it(model_path: Pa
 
     async def main() -> tuple[list[dict], dict, int]:
         await engine.wait_ready()
-        warmup = engine._graph_warmup
+        warmup = engine.runner.graph_warmup
         while not (engine.graph_warmup_progress or {}).get("tokens"):
             await asyncio.sleep(0.001)
         outs = await together(engine, reqs)  # queued between two chunks of the warm-up
@@ -182,7 +182,7 @@ def test_a_failed_warmup_says_so_and_the_engine_serves(model_path: Path, monkeyp
 
     progress, out = drive(engine, main)
     assert progress == {"tokens": 0, "target": 96, "done": False, "error": "failed: no graph for you"}
-    assert out["finish"] == "length" and len(out["tokens"]) == 4 and engine._graph_warmup is None
+    assert out["finish"] == "length" and len(out["tokens"]) == 4 and engine.runner.graph_warmup is None
 
 
 def test_the_dummy_cache_stays_within_the_memory_budget(model_path: Path) -> None:

@@ -485,7 +485,7 @@ def test_a_prompt_is_stored_only_once_its_first_token_has_left_the_engine(tiny_m
     import asyncio
     from types import SimpleNamespace
 
-    from omlx.engine import llm_engine
+    from omlx.engine import request_state
     from omlx.engine.llm_engine import LLMEngine
     from omlx.engine.request import GenerationRequest, SamplingParams
 
@@ -508,7 +508,7 @@ def test_a_prompt_is_stored_only_once_its_first_token_has_left_the_engine(tiny_m
         counts, end = [], time.monotonic() + 30
         while time.monotonic() < end:
             counts.append((hot.stats()["blocks"], engine.active_count))
-            if engine._outbox and end - time.monotonic() > 0.2:  # emitted: a store would start now
+            if engine.bridge.outbox and end - time.monotonic() > 0.2:  # emitted: a store would start now
                 end = time.monotonic() + 0.2
             time.sleep(0.002)
         return counts
@@ -516,7 +516,7 @@ def test_a_prompt_is_stored_only_once_its_first_token_has_left_the_engine(tiny_m
     async def one(rid: str, grace: float, read_on: bool) -> tuple[list[tuple[int, int]], int, int, int]:
         """Hot-tier blocks and engine activity while the loop is blocked; blocks before, and
         after the first token went out (`read_on`: the stream is read on) or the stream closed."""
-        monkeypatch.setattr(llm_engine, "FIRST_TOKEN_GRACE_S", grace)
+        monkeypatch.setattr(request_state, "FIRST_TOKEN_GRACE_S", grace)
         before = hot.stats()["blocks"]
         stream = engine.generate(GenerationRequest(rid, prompt, 1800, sampling))
         first = asyncio.ensure_future(anext(stream))
@@ -571,7 +571,7 @@ def test_a_first_token_counts_as_out_only_after_the_stream_writer_has_it(tiny_mo
         request = GenerationRequest("r", [5, 6, 7, 8] * 10, 50, SamplingParams(temperature=0.0))
         stream = with_keepalive(engine.generate(request), 10.0)
         await anext(stream)  # the writer's turn with the first token
-        handle = engine._by_request["r"]
+        handle = engine.scheduler.by_id["r"]
         at_writer = handle.first_out
         for _ in range(3):
             await asyncio.sleep(0)
@@ -592,7 +592,7 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
     import asyncio
 
     from omlx.cache import restore_model
-    from omlx.engine.llm_engine import LLMEngine
+    from omlx.engine.store_queue import StoreQueue
 
     warm = HotTier(1 << 30)
     engine = ram_only_engine(tiny_model_dir, warm)
@@ -603,7 +603,7 @@ def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monk
         await answer(engine, "measure", [7] * (B + 1), 1)
         await engine.call(lambda: None)
         monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 1)  # a block per piece
-        monkeypatch.setattr(LLMEngine, "_continue_store", lambda self: True)  # never idle long enough
+        monkeypatch.setattr(StoreQueue, "continue_store", lambda self: True)  # never idle long enough
         # what is asked here is whether the blocks are there, not whether restoring them beats
         # recomputing: on an H200 the tiny model's 144 tokens are a near-tie (a RAM copy 0.003 s
         # vs 0.005 s), which once went to recomputing after the one-block probe
@@ -1076,16 +1076,16 @@ def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_d
         stream = e2.generate(request("c", shared, 8))
         pending = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.3)
-        restoring = [len(e2._restoring)]
+        restoring = [len(e2.scheduler.restoring)]
         pending.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await pending
         await stream.aclose()
         for _ in range(30):  # long before its reads are over (11 blocks of 0.6 s on 4 threads)
-            if not e2._restoring and e2.waiting_count == 0:
+            if not e2.scheduler.restoring and e2.waiting_count == 0:
                 break
             await asyncio.sleep(0.01)
-        restoring.append(len(e2._restoring) + e2.waiting_count)
+        restoring.append(len(e2.scheduler.restoring) + e2.waiting_count)
         after = [t async for ev in e2.generate(request("d", shared, 8)) for t in ev.token_ids]
         return got, window[1] - window[0], max(gaps), cached, [restoring, after]
 
@@ -1203,7 +1203,7 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
     real_advance = PrefixCache.advance
 
     def counting(self, prefetched, move, alone=False):
-        advanced.append((move, sum(s.completion_tokens for s in engine._running.values())))
+        advanced.append((move, sum(s.completion_tokens for s in engine.scheduler.running.values())))
         return real_advance(self, prefetched, move, alone)
 
     observed: list[float] = []  # bytes of each RAM rate observation
@@ -1237,7 +1237,7 @@ def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir:
         await engine.call(lambda: None)
         push_out()
         other = asyncio.create_task(run("c", [9 + (i * 5) % 380 for i in range(3 * B)], 120))
-        while not engine._running:  # decoding, while the next request's prefix comes back
+        while not engine.scheduler.running:  # decoding, while the next request's prefix comes back
             await asyncio.sleep(0.01)
         beside = await run("d", prompt)
         await other

@@ -205,7 +205,7 @@ def test_second_request_hands_the_solo_one_off_mid_prefill(model_path: Path, own
         first = asyncio.create_task(run_one(engine, a))
         # wait until a's prompt is partly fed (900 tokens in chunks of 16)
         for _ in range(2000):
-            solo = [s.solo for s in list(engine._running.values()) if s.solo is not None]
+            solo = [s.solo for s in list(engine.scheduler.running.values()) if s.solo is not None]
             if solo and solo[0].fed:
                 break
             await asyncio.sleep(0.001)
@@ -305,7 +305,7 @@ def test_newcomers_are_prefilled_by_the_engine_and_join_the_batch(model_path: Pa
     real_clear = mx.clear_cache
 
     def spy() -> None:
-        seen.append((len(engine._running), len(engine._prefilling)))
+        seen.append((len(engine.scheduler.running), len(engine.scheduler.prefilling)))
         real_clear()
 
     async def main() -> list[dict]:
@@ -322,7 +322,7 @@ def test_newcomers_are_prefilled_by_the_engine_and_join_the_batch(model_path: Pa
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
     assert seen and all(s == (0, 0) for s in seen), seen
-    assert engine._prefilling == [] and engine.active_count == 0
+    assert engine.scheduler.prefilling == [] and engine.active_count == 0
 
 
 @pytest.mark.parametrize("empties", [True, False])
@@ -356,7 +356,7 @@ def test_an_idle_engine_empties_buffers_other_threads_freed_into_the_cache_where
     real_clear = mx.clear_cache
 
     def spy() -> None:
-        clears.append(len(engine._running))
+        clears.append(len(engine.scheduler.running))
         real_clear()
 
     async def main() -> tuple[bool, bool]:
@@ -388,7 +388,7 @@ def test_newcomer_cancelled_mid_prefill_leaves_the_others_running(model_path: Pa
         stream = engine.generate(request("c", long_prompt, 8))
         pending = asyncio.ensure_future(stream.__anext__())
         for _ in range(2000):  # until its prompt is partly fed
-            prefilling = [engine._running.get(uid) for uid in list(engine._prefilling)]
+            prefilling = list(engine.scheduler.prefilling)
             if any(s is not None and s.solo.fed for s in prefilling):
                 break
             await asyncio.sleep(0.001)
@@ -409,7 +409,7 @@ def test_newcomer_cancelled_mid_prefill_leaves_the_others_running(model_path: Pa
     finally:
         engine.shutdown()
     assert_same(got, expected)
-    assert engine._prefilling == [] and engine.active_count == 0
+    assert engine.scheduler.prefilling == [] and engine.active_count == 0
 
 
 def test_prefill_chunks_end_on_multiples_of_the_step(model_path: Path) -> None:
@@ -653,14 +653,14 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
     # A lone request's prefill is all of its TTFT: the copies of stored blocks to RAM or the
     # SSD (`write_back`) wait for its end, and so does the SSD writer (`hold_writes`); before
     # and after it the engine makes them as usual.
-    from omlx.engine.cache_hooks import PrefixCacheHooks
+    from omlx.cache.interface import NoCache
 
     calls: list[bool] = []  # per write_back: was a lone prompt being fed?
     holds: list[bool] = []
 
-    class Spy(PrefixCacheHooks):
-        def write_back(self, idle: bool) -> bool:
-            calls.append(engine._prefilling_alone())
+    class Spy(NoCache):
+        def tick(self, idle: bool, *, quiet: bool = True) -> bool:  # its write-back part
+            calls.append(engine.scheduler.prefilling_alone())
             return False
 
         def hold_writes(self, on: bool) -> None:

@@ -1,0 +1,488 @@
+"""Every MLX call of an engine, on its thread: mlx-lm's `BatchGenerator`, the solo sequence
+(solo.py), the engine's own prefill chunks, sampling faults, stores into the prefix cache and
+the warm-ups. The scheduler says what to run; the runner runs it and returns `TokenOut`s.
+Its broad excepts are the engine's boundary for optional work (caching, warm-ups) and for one
+request's admission (docs/design/solo-path.md, prefill-grid.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from omlx.cache.interface import PrefixCacheInterface
+from omlx.engine import load_warmup
+from omlx.engine.buffers import trim_buffer_cache
+from omlx.engine.config import EngineConfig
+from omlx.engine.device_fault import DEVICE
+from omlx.engine.graph_warmup import GraphWarmup
+from omlx.engine.kv_budget import KvBudget
+from omlx.engine.prefill_pacing import paced_step
+from omlx.engine.prompt_logprobs import compute_prompt_logprobs
+from omlx.engine.request import GenerationEvent
+from omlx.engine.request_state import RequestState, Status, StepOut, StepPlan, TokenOut
+from omlx.engine.sampling import (
+    Guarded,
+    build_logits_processors,
+    build_sampler,
+    clear_faults,
+    fault,
+)
+from omlx.engine.scheduler import Admission, Admitted
+from omlx.engine.solo import (
+    PrefillShapes,
+    SoloSequence,
+    align_cached,
+    feed_chunks_together,
+    onto_built_shapes,
+    sdpa_graph_capacity,
+)
+from omlx.engine.stop_strings import StopStringMatcher
+from omlx.engine.store_queue import StoreQueue
+
+log = logging.getLogger("omlx.engine")
+
+
+class Runner:
+    """Runs what the scheduler planned for one loaded model (engine thread only)."""
+
+    def __init__(
+        self,
+        loaded: Any,
+        config: EngineConfig,
+        cache: PrefixCacheInterface,
+        budget: KvBudget,
+        *,
+        quantum: int,
+        eos_ids: list[int],
+        model_id: str,
+        stream: Any,
+        on_restored: Callable[[RequestState], None],
+    ) -> None:
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.context_length = loaded.context_length
+        self.config, self.cache, self.budget = config, cache, budget
+        self.quantum = quantum  # the prefill grid (`EngineConfig.prefill_grid`)
+        self.eos_ids = eos_ids
+        self.model_id = model_id
+        self.stream = stream  # the engine's one MLX stream
+        self.on_restored = on_restored  # a read-ahead's background reads are over
+        # the prefill chunks' attention shapes this thread has built graphs for (`onto_built_shapes`)
+        self.shapes = PrefillShapes(sdpa_graph_capacity()) if config.track_shapes else None
+        self.stores = StoreQueue(self.store)
+        self.batch: dict[int, RequestState] = {}  # BatchGenerator uid -> its request
+        self.graph_warmup: GraphWarmup | None = None
+        self.buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
+        self._failures_seen = 0  # `Guarded.failures` when last looked
+        self.bg = self.new_batch_generator()
+
+    def run(self, plan: StepPlan) -> StepOut:
+        """Run one planned step."""
+        if plan.solo is not None:
+            token = self.solo_step(plan.solo)
+            return StepOut(tokens=[token] if token is not None else [])
+        joined = self.prefill_newcomers(plan.prefill) if plan.prefill else []
+        ended, tokens = self.batch_step(plan.single)
+        return StepOut(tokens, joined, ended)
+
+    # ----- the batch ---------------------------------------------------------------
+    def new_batch_generator(self) -> BatchGenerator:
+        c = self.config
+        return BatchGenerator(
+            self.model,
+            stream=self.stream,
+            max_tokens=1,
+            stop_tokens=[[t] for t in self.eos_ids],
+            completion_batch_size=c.max_concurrent,
+            prefill_batch_size=c.prefill_batch_size,
+            prefill_step_size=c.prefill_step_size,
+        )
+
+    def reset(self) -> None:
+        """After a failed step: a new BatchGenerator, nothing pending."""
+        self.bg = self.new_batch_generator()
+        self.batch.clear()
+        self.stores.clear()
+
+    def _batch_insert(self, state: RequestState, todo: list[int], cache: Any, fed: list[int], max_tokens: int) -> None:
+        state.uid = self.bg.insert(
+            [todo],
+            max_tokens=[max_tokens],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[fed] if fed else None,
+            samplers=[state.sampler] if state.sampler is not None else None,
+            logits_processors=[state.processors],
+            stop_sequences=[state.stop_sequences] if state.stop_sequences is not None else None,
+        )[0]
+        self.batch[state.uid] = state
+
+    def batch_step(self, single: bool) -> tuple[list[RequestState], list[TokenOut]]:
+        """One `BatchGenerator` step (`single`: one sequence runs, so a prefill is timed
+        alone); the prompts that ended with blocks worth storing, and the tokens made."""
+        tic = time.perf_counter()
+        prompt_responses, generation_responses = self.bg.next()
+        if any(not pr.end_of_prompt for pr in prompt_responses):  # prompts were fed a chunk each
+            step = self.bg.prefill_step_size
+            self.bg.prefill_step_size = paced_step(step, self.config.prefill_step_size, step, time.perf_counter() - tic)
+        ended = []
+        for pr in prompt_responses:
+            state = self._live(pr.uid)
+            if pr.end_of_prompt and state is not None:
+                if single:  # timed alone: not stretched by others' decode steps
+                    self.observe_prefill(state)
+                if self.cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
+                    ended.append(state)
+        outs = []
+        for r in generation_responses:
+            state = self._live(r.uid)
+            if state is None:
+                continue
+            outs.append(TokenOut(state, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens))
+            if r.finish_reason is not None:
+                del self.batch[r.uid]
+        return ended, outs
+
+    def _live(self, uid: int) -> RequestState | None:
+        state = self.batch.get(uid)
+        return state if state is not None and state.status is not Status.FINISHED else None
+
+    def drop(self, state: RequestState) -> None:
+        """Stop computing a sequence that ends before its generator says so."""
+        if self.batch.get(state.uid) is state:  # else it runs outside the batch, or no more
+            self.bg.remove([state.uid])
+            del self.batch[state.uid]
+
+    def pause(self, state: RequestState) -> None:
+        """Take a decoding sequence out of the batch; its cache goes to the prefix cache."""
+        found = self.bg.remove([state.uid], return_prompt_caches=True).get(state.uid)
+        self.batch.pop(state.uid, None)
+        if found is not None:
+            tokens = list(found[1])
+            self.stores.add_pending(tokens, found[0], self.store(tokens, found[0], final=True))
+            self.cache.yield_memory((state.prompt_len + state.completion_tokens) * self.budget.bytes_per_token)
+
+    def sampling_faults(self, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:
+        """The requests whose own sampler or logits processors failed since last asked (they
+        fell back so the step could go on for the others); their faults are cleared."""
+        if Guarded.failures == self._failures_seen:
+            return []
+        self._failures_seen = Guarded.failures
+        failed = [(s, error) for s in states if (error := fault(s.sampler, s.processors)) is not None]
+        clear_faults(g for s, _ in failed for g in (s.sampler, *s.processors))
+        return failed
+
+    # ----- memory (the scheduler's `Memory`) -----------------------------------------
+    def room(self, held_bytes: int) -> int:
+        return self.budget.room(mx.get_active_memory(), held_bytes, self.cache.hot_bytes())
+
+    def yield_memory(self, nbytes: int) -> int:
+        return self.cache.yield_memory(nbytes)
+
+    # ----- admission ---------------------------------------------------------------
+    def admit(self, state: RequestState, alone: bool) -> Admitted:
+        """Ask for the request's read-ahead the first time, else insert it (`alone`: it runs
+        as the solo sequence); a failure fails this request alone."""
+        try:
+            if state.taken is None:
+                state.taken = time.perf_counter()
+                state.queued = max(0.0, time.time() - state.request.created)
+                self.stores.finish_for(state.request.prompt_tokens)
+                asked = time.perf_counter()
+                prefetched = self._read_ahead(state)
+                state.admit_s = (asked - state.taken, time.perf_counter() - asked)
+                if prefetched is not None:
+                    return Admitted(Admission.RESTORE, prefetched)
+            return self._insert(state, alone)
+        except Exception as exc:  # the runner's boundary: this request fails, the engine goes on
+            DEVICE.check(exc)
+            log.exception("request %s failed at admission", state.id)
+            return Admitted(Admission.FAILED, event=GenerationEvent(finish_reason="error", error=str(exc)))
+
+    def _read_ahead(self, state: RequestState) -> Any:
+        """The request's cached prefix made ready ahead (read from the SSD off this thread,
+        moved from RAM a chunk per loop while others run), or None."""
+        req = state.request
+        if req.max_tokens <= 0:
+            return None
+        prefetched = self.cache.prefetch(req.prompt_tokens, lambda: self.on_restored(state))
+        if prefetched is not None:
+            log.debug("request=%s restores its cached prefix ahead", req.request_id)
+        return prefetched
+
+    def advance_restores(self, restoring: dict[RequestState, Any], mover: Any, alone: bool) -> list[tuple[RequestState, Any]]:
+        """A piece of each read-ahead's work (`mover` moves blocks on this thread, all of
+        them when `alone`); those ready, with None for one that failed."""
+        ready: list[tuple[RequestState, Any]] = []
+        for state, prefetched in restoring.items():
+            try:
+                if self.cache.advance(prefetched, move=prefetched is mover, alone=alone):
+                    ready.append((state, prefetched))
+            except Exception:  # caching is an optimisation: `lookup` restores in line instead
+                log.exception("restoring the cached prefix of %s ahead failed", state.id)
+                ready.append((state, None))
+        return ready
+
+    def _insert(self, state: RequestState, alone: bool) -> Admitted:
+        if state.status is Status.PAUSED:
+            self._resume(state)
+            return Admitted(Admission.RESUMED)
+        req = state.request
+        tokens = req.prompt_tokens
+        taken = state.taken or time.perf_counter()
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None:
+            prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
+        if req.max_tokens <= 0:
+            event = GenerationEvent(finish_reason="length", prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
+            return Admitted(Admission.ANSWERED, event=event)
+        if state.prefetched is not None:
+            self.cache.take(state.prefetched)
+            state.prefetched = None
+        looked = time.perf_counter()
+        cache, cached = align_cached(*self.cache.lookup(tokens), self.quantum)
+        own = alone or (self.config.own_prefill and len(tokens) - cached > 1)
+        step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
+        shaped = time.perf_counter()
+        if own:
+            cache, cached = onto_built_shapes(
+                cache, cached, len(tokens), step, self.shapes, self.quantum, self.cache.prefill_seconds
+            )
+        if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
+            now = time.perf_counter()
+            log.debug(
+                "request=%s admitted in %.4fs: stores %.4fs, read-ahead asked %.4fs, lookup %.4fs, shapes %.4fs,"
+                " other %.4fs (a read-ahead's wait, prompt logprobs)",
+                req.request_id, now - taken, *state.admit_s, shaped - looked, now - shaped,
+                looked - taken - sum(state.admit_s),
+            )  # fmt: skip
+        self._prepare(state, cached, taken)
+        if own:  # decodes alone, or is prefilled here and joins the batch with its last token
+            state.solo = SoloSequence(
+                self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
+                logits_processors=state.processors, prefill_step_size=step, quantum=self.quantum, shapes=self.shapes,
+            )  # fmt: skip
+            kind = Admission.SOLO if alone else Admission.PREFILL
+        else:
+            self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
+            kind = Admission.BATCH
+        state.pending.prompt_logprobs = prompt_logprobs
+        self.cache.record(len(tokens), cached)
+        return Admitted(kind)
+
+    def _prepare(self, state: RequestState, cached: int, taken: float) -> None:
+        """A request's decoding state, built as it is inserted."""
+        req = state.request
+        stop_seqs = None
+        if req.stop_token_ids:
+            stop_seqs = StopSequences([[t] for t in sorted(set(self.eos_ids) | set(req.stop_token_ids))])
+        state.detokenizer = self.tokenizer.detokenizer
+        state.stops = StopStringMatcher(req.stop)
+        state.prompt_len = len(req.prompt_tokens)
+        state.cached_tokens = cached
+        state.start = taken
+        state.prefill_start = time.perf_counter()
+        state.sampler = build_sampler(req.sampling)
+        state.processors = build_logits_processors(req.sampling)
+        state.stop_sequences = stop_seqs
+
+    def _resume(self, state: RequestState) -> None:
+        """Insert a paused sequence again: its prompt and the tokens it generated, as far as
+        cached, restored; it goes on from its last token."""
+        tokens = state.request.prompt_tokens + state.generated
+        cache, cached = self.cache.lookup(tokens)
+        cached = min(cached, len(tokens) - 1)
+        if cache is not None and cached < cache[0].offset:
+            for c in cache:
+                c.trim(c.offset - cached)
+        left = state.request.max_tokens - state.completion_tokens
+        self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
+
+    # ----- sequences outside the batch -----------------------------------------------
+    def solo_step(self, state: RequestState) -> TokenOut | None:
+        """One chunk of the solo prompt (None while more remain), or one token."""
+        solo = state.solo
+        if solo.prefilling:
+            tic, before = time.perf_counter(), len(solo.fed)
+            done = solo.prefill()
+            seconds = time.perf_counter() - tic
+            state.chunk_seconds.append(seconds)
+            if not done:
+                solo.step_size = paced_step(
+                    solo.step_size, self.config.solo_prefill_step_size, len(solo.fed) - before, seconds, solo.quantum
+                )
+                return None
+            self.observe_prefill(state)
+            state.store_prompt = self.cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens)
+        # launch the next step unless this token is the last one allowed
+        return self.solo_token(state, launch=state.completion_tokens + 1 < state.request.max_tokens)
+
+    def solo_token(self, state: RequestState, *, launch: bool) -> TokenOut:
+        """The solo sequence's pending token, as a batch's would come."""
+        solo = state.solo
+        token, logprobs = solo.next(launch=launch)
+        req = state.request
+        reason = None
+        if token in self.eos_ids or token in req.stop_token_ids:
+            reason = "stop"
+        elif state.completion_tokens + 1 >= req.max_tokens:
+            reason = "length"
+        done = reason is not None
+        return TokenOut(
+            state, token, logprobs, reason, prompt_cache=solo.cache if done else None, all_tokens=solo.fed if done else None
+        )
+
+    def leave_solo(self, state: RequestState) -> None:
+        """A solo prefill is no longer alone: others' steps wait on its chunks."""
+        state.solo.step_size = self.config.prefill_step_size
+
+    def join_batch(self, state: RequestState, unfed: int | None = None) -> None:
+        """Insert a sequence decoding or prefilling on its own into the BatchGenerator."""
+        todo, cache, fed = state.solo.handoff(unfed)
+        state.solo = None
+        self._batch_insert(state, todo, cache, fed, state.request.max_tokens - state.completion_tokens)
+
+    def prefill_newcomers(self, group: list[RequestState]) -> list[RequestState]:
+        """A prompt chunk for each of `group` (chunks of one shape in one forward pass), waited
+        for together; those left with only their last token join the batch and are returned."""
+        fed = feed_chunks_together([state.solo for state in group])
+        ready = [state for state, done in zip(group, fed, strict=True) if done]
+        for state in group:
+            state.solo.wait()
+        trim_buffer_cache()
+        for state in ready:
+            self.join_batch(state)
+        return ready
+
+    def observe_prefill(self, state: RequestState) -> None:
+        """Tell the prefix cache how long the request's prefill took (its restore model)."""
+        computed = state.prompt_len - state.cached_tokens
+        if self.quantum:  # the last chunk's padding was computed too
+            computed = -(-(computed - 1) // self.quantum) * self.quantum + 1
+        seconds = time.perf_counter() - state.prefill_start
+        self.cache.observe_prefill(computed, state.cached_tokens, seconds)
+        if state.chunk_seconds and log.isEnabledFor(logging.DEBUG):
+            # a slow prefill: evenly slower chunks (the device), one slow chunk (a graph built,
+            # pages faulted in) or time between them (the engine loop)?
+            chunks = state.chunk_seconds
+            log.debug(
+                "request=%s prefilled %d tokens after %d in %.3fs: %d chunks %.3fs (slowest #%d %.3fs), between %.3fs",
+                state.id, computed, state.cached_tokens, seconds, len(chunks), sum(chunks),
+                max(range(len(chunks)), key=chunks.__getitem__), max(chunks), seconds - sum(chunks),
+            )  # fmt: skip
+
+    # ----- stores --------------------------------------------------------------------
+    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
+        """Store blocks in the prefix cache; where blocks left for a later call begin (0:
+        none). Caching is an optimisation: its failure is logged, never fails the request."""
+        try:
+            return self.cache.store(tokens, cache, final=final, start=start) or 0
+        except Exception:
+            log.exception("storing prefix-cache blocks for %s failed", self.model_id)
+            return 0
+
+    def cache_tick(self, idle: bool, *, quiet: bool) -> bool:
+        """The prefix cache's background work for this loop (`PrefixCacheInterface.tick`); True
+        while more waits. Caching is an optimisation: a failure is logged, never fails a request."""
+        try:
+            return self.cache.tick(idle, quiet=quiet)
+        except Exception:
+            log.exception("the prefix cache's background work for %s failed", self.model_id)
+            return False
+
+    def store_batch_prompt(self, state: RequestState) -> None:
+        cache_and_tokens = self.bg.extract_cache([state.uid]).get(state.uid)
+        if cache_and_tokens is not None:
+            # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
+            # so the same prompt finds it again (also after a restart)
+            prompt = list(cache_and_tokens[1])[: state.prompt_len]
+            if len(prompt) == state.prompt_len or self.cache.wants_prompt_blocks(len(prompt), state.cached_tokens):
+                self.store(prompt, cache_and_tokens[0], final=False)
+
+    def store_solo_prompt(self, state: RequestState, now: bool = False) -> None:
+        """A solo prefill's prompt blocks, once its first token is out (or `now`)."""
+        if state.store_prompt and (now or state.first_token_out()):
+            state.store_prompt = False
+            self.store(state.solo.fed[: state.prompt_len], state.solo.cache, final=False)
+
+    def store_computed_prompt(self, state: RequestState, due: bool) -> None:
+        """A request cancelled keeps what its prompt computed: a prompt store waiting for the
+        first token (`due`) is made now, and a prefill cut short stores the blocks fed so far,
+        so a client that retries continues where it left (before the sequence's cache goes)."""
+        if state.solo is not None:
+            solo = state.solo
+            if solo.prefilling:
+                fed = solo.fed[: state.prompt_len]
+                if self.cache.wants_prompt_blocks(len(fed), state.cached_tokens):
+                    self.store(fed, solo.cache, final=False)
+            else:
+                self.store_solo_prompt(state, now=True)
+        elif due or state.first_token is None:
+            self.store_batch_prompt(state)
+
+    # ----- warm-ups and buffers ------------------------------------------------------
+    def warm_up(self, solo: bool) -> None:
+        """A few tokens through the paths requests take (load_warmup.py); optional."""
+        tic = time.perf_counter()
+        try:
+            load_warmup.warm_up(
+                self.model, self.tokenizer, self.bg, self.eos_ids, own_prefill=self.config.own_prefill, solo=solo
+            )
+        except Exception:  # a warm-up is an optimisation; the model still serves
+            log.warning("warm-up of %s failed", self.model_id, exc_info=True)
+            self.bg.close()
+            self.bg = self.new_batch_generator()
+        mx.clear_cache()
+        log.info("warmed up %s in %.2fs", self.model_id, time.perf_counter() - tic)
+
+    def start_graph_warmup(self) -> dict[str, Any] | None:
+        """Make the idle attention-graph warm-up where one is asked for; its progress."""
+        depth = min(self.config.graph_warmup_tokens, self.context_length or self.config.graph_warmup_tokens)
+        self.graph_warmup = GraphWarmup.for_model(
+            self.model, self.tokenizer, self.eos_ids, depth, self.config.solo_prefill_step_size, self.shapes
+        )
+        return self.graph_warmup.progress() if self.graph_warmup is not None else None
+
+    def warm_graphs(self, idle: bool) -> dict[str, Any]:
+        """One chunk of the graph warm-up when the process is idle, else pause it; its progress."""
+        warmup = self.graph_warmup
+        assert warmup is not None
+        if not idle:
+            warmup.pause()
+        else:
+            try:
+                warmup.feed()
+                trim_buffer_cache()  # its cache grows by concatenation, as a prompt's does
+            except Exception as exc:  # optional work: the model still serves
+                if DEVICE.check(exc):
+                    raise
+                log.warning("attention-graph warm-up of %s failed", self.model_id, exc_info=True)
+                warmup.close(f"failed: {exc}")
+        progress = warmup.progress()
+        if warmup.over:
+            self.graph_warmup = None
+            self.buffers_dirty = True  # what it left in MLX's buffer cache goes when idle
+            warmup.log_end(self.model_id)
+        return progress
+
+    def clear_buffers_if_dirty(self, others_busy: bool) -> None:
+        """Idle: empty MLX's buffer cache of what steps left, or of what other threads freed
+        into it where asked (buffers.py says why), unless another engine is busy."""
+        foreign = (
+            self.config.idle_empties_cache
+            and self.graph_warmup is None
+            and mx.get_cache_memory() > 0
+            and not others_busy
+        )
+        if self.buffers_dirty or foreign:
+            self.buffers_dirty = False
+            mx.clear_cache()
+
+    def stop_graph_warmup(self) -> None:
+        if self.graph_warmup is not None:
+            self.graph_warmup.close("the engine stopped")
+
