@@ -63,14 +63,14 @@ def _layer_kv(block: CacheBlock, layer: int) -> tuple[mx.array, mx.array]:
     return block.tensors[f"{layer}.keys"], block.tensors[f"{layer}.values"]
 
 
-def _first_tokens(t: mx.array, n: int, token_count: int) -> mx.array:
+def first_tokens(t: mx.array, n: int, token_count: int) -> mx.array:
     """A view of `t`'s first `n` tokens (axis 2); a new array object even for all of them:
     handed to a KV cache as they are, a block's own arrays would change with the cache's
     writes (MLX's `a[...] = x` updates the object `a`)."""
     return t[:, :, : min(n, token_count), :]
 
 
-def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
+def kv_cache(keys: mx.array, values: mx.array) -> KVCache:
     c = KVCache()
     c.state = (keys, values, keys.shape[2])
     return c
@@ -83,7 +83,7 @@ def join_blocks(
     blocks are joined with one copy each per group of layers of at most `JOIN_GROUP_BYTES` and
     `max_elements`, each layer's arrays views of its group's (docs/design/ram-moves.md)."""
     if all(KV_STACK in block.tensors for block, _ in parts):
-        stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
+        stacks = [first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
         rows, heads, _, dim = stacks[0].shape
         per_layer = 2 * heads * dim * sum(s.shape[2] for s in stacks)
         by_bytes = JOIN_GROUP_BYTES // max(1, per_layer * stacks[0].dtype.size)
@@ -93,18 +93,18 @@ def join_blocks(
             lo, hi = 2 * first, 2 * min(num_layers, first + group)
             pieces = [s if (lo, hi) == (0, rows) else s[lo:hi] for s in stacks]
             kv = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-            caches += [_kv_cache(kv[r][None], kv[r + 1][None]) for r in range(0, hi - lo, 2)]
+            caches += [kv_cache(kv[r][None], kv[r + 1][None]) for r in range(0, hi - lo, 2)]
         return caches
     caches = []
     for layer in range(num_layers):
         keys, values = [], []
         for block, n in parts:
             k, v = _layer_kv(block, layer)
-            keys.append(_first_tokens(k, n, block.token_count))
-            values.append(_first_tokens(v, n, block.token_count))
+            keys.append(first_tokens(k, n, block.token_count))
+            values.append(first_tokens(v, n, block.token_count))
         k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
         v = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
-        caches.append(_kv_cache(k, v))
+        caches.append(kv_cache(k, v))
     return caches
 
 

@@ -20,7 +20,9 @@ def use_on_device(blocks: list[CacheBlock]) -> None:
     for b in blocks:
         by_layout.setdefault(tuple(b.tensors), []).append(b)
     mx.eval([
-        mx.concatenate([b.tensors[name] for b in group], axis=2) for names, group in by_layout.items() for name in names
+        mx.concatenate([b.tensors[name] for b in group], axis=2) if group[0].tensors[name].ndim > 2
+        else group[0].tensors[name] + 0  # a state array of fewer axes: used on its own
+        for names, group in by_layout.items() for name in names
     ])  # fmt: skip
 
 
