@@ -66,7 +66,7 @@ class IdleProbe:
         upload = time.perf_counter() - tic
         nbytes = sum(b.nbytes for b in blocks)
         seconds = max(r.finished for r in reads) - min(r.started for r in reads) + upload
-        self.costs.learn_size(blocks[0].nbytes, blocks[0].token_count)
+        self._learn_size(blocks[0])
         self.ssd_rate.forget()  # a re-probe replaces what was measured
         self.ssd_rate.observe(nbytes, seconds)
         self._save_costs(force=True)

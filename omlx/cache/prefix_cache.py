@@ -70,6 +70,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         self.model_id = model_id
         # restore or recompute: the prefill cost on this device and each slow tier's rate
         self.costs = RestoreModel(model_id, attention)
+        self.costs.block_size = self.B if self.kinds is not None else 0  # a state per block restored
         self.prefill = self.costs.prefill
         self.ssd_rate = self.costs.ssd_rate
         self.warm_rate = self.costs.warm_rate
@@ -287,7 +288,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             hot.put(block, keep=frozenset(chain[: a // self.B]))
         self._refresh_chain(chain)
         if blocks:
-            self.costs.learn_size(blocks[0].nbytes, blocks[0].token_count)
+            self._learn_size(blocks[0])
         return rest
 
     def _chain_and_new(
@@ -359,6 +360,10 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         )  # fmt: skip
 
     # ----- stateful layers (docs/design/cache-kinds.md) ------------------------------
+    def _learn_size(self, block: CacheBlock) -> None:
+        """The restore model's sizes from a block: KV bytes per token, and its whole state's bytes."""
+        self.costs.learn_size(block.nbytes, block.token_count, layer_states.state_nbytes(block.tensors))
+
     def capture_points(self, prompt_len: int, cached: int) -> list[int]:
         """The token indices where a prefill chunk must end for `snapshot`: the block boundaries
         after `cached` and before the prompt's last token; none for a plain-KV model."""

@@ -99,7 +99,7 @@ class TierRestore:
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-            self.costs.learn_size(got[0].nbytes, got[0].token_count)
+            self._learn_size(got[0])
             self.tiers.moved_in(sum(b.nbytes for b in got))
             for block in got:
                 self.tiers.hot.put(block, keep=chain)

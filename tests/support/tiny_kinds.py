@@ -98,3 +98,31 @@ ARCHS = {
     "lfm2": lambda window=0: lfm2_config(),
     "mamba2": lambda window=0: mamba2_config(),
 }
+
+
+def qwen3_5_config() -> dict:
+    """Qwen3.5 (text): three gated delta-net layers to one full-attention layer, dense MLP."""
+    return {
+        "model_type": "qwen3_5",
+        "text_config": {
+            "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
+            "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+            "max_position_embeddings": 4096, "tie_word_embeddings": True,
+        },
+    }  # fmt: skip
+
+
+def falcon_h1_config() -> dict:
+    """Falcon-H1: every layer a Mamba-2 mixer beside attention (`CacheList` of both)."""
+    return {
+        "model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "vocab_size": VOCAB,
+        "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_conv": 4,
+        "mamba_chunk_size": 16, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+    }  # fmt: skip
+
+
+ARCHS["qwen3_5"] = lambda window=0: qwen3_5_config()
+ARCHS["falcon_h1"] = lambda window=0: falcon_h1_config()

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from omlx.cache.block_hash import model_fingerprint
-from omlx.cache.cache_kinds import model_kinds
+from omlx.cache.cache_kinds import flatten, model_kinds
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.prefix_cache import PrefixCache
 from omlx.cache.ssd_tier import SSDTier
@@ -26,7 +26,7 @@ B = 16  # tokens per block
 # (architecture, sliding window): windows smaller and larger than a block
 CASES = [
     ("gpt_oss", 8), ("gpt_oss", 40), ("gemma3_text", 8), ("gemma3_text", 40),
-    ("qwen3_next", 0), ("lfm2", 0), ("mamba2", 0),
+    ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2", 0), ("mamba2", 0), ("falcon_h1", 0),
 ]  # fmt: skip
 MODELS: dict[tuple[str, int], Any] = {}
 
@@ -113,7 +113,7 @@ def test_restored_caches_are_the_model_s_own_classes(model) -> None:
     restored, cached = pc.lookup(tokens)
     assert cached == len(tokens) - 1  # three full blocks and the tail, stored at its end
     assert [type(c) for c in restored] == [type(c) for c in make_prompt_cache(model)]
-    for c, kind in zip(restored, pc.kinds.leaves, strict=True):
+    for c, kind in zip(flatten(restored), pc.kinds.leaves, strict=True):
         if isinstance(c, RotatingKVCache):
             assert c.max_size == kind.window and c.offset == cached and c.keys.shape[2] == min(kind.window, cached)
         elif isinstance(c, KVCache):
