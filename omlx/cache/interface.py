@@ -56,9 +56,9 @@ class PrefixCacheInterface(Protocol):
         (block boundaries after `cached`); [] when the model's layers are all plain KV."""
         ...
 
-    def snapshot(self, cache: list[Any]) -> Any | None:
-        """The state of `cache`'s stateful layers at its current length (batch of one), for
-        `store(boundary_states={length: snapshot})`; None when there are none to capture."""
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
+        """The state of `cache`'s stateful layers at its current length (a batch of one, or that
+        `row` of a batch cache), for `store(boundary_states={length: snapshot})`; None: nothing to capture."""
         ...
 
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -141,7 +141,7 @@ class NoCache:
     def capture_points(self, prompt_len: int, cached: int) -> list[int]:
         return []
 
-    def snapshot(self, cache: list[Any]) -> Any | None:
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
         return None
 
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:

@@ -38,11 +38,13 @@ def window_in_order(cache: RotatingKVCache) -> tuple[mx.array, mx.array]:
     return ordered(keys), ordered(values)
 
 
-def snapshot(kinds: CacheKinds, cache: list[Any]) -> Snapshot:
-    """Every stateful leaf's state now (a batch-of-one cache), named as block tensors; new
-    array objects, so later writes into the cache do not change them."""
+def snapshot(kinds: CacheKinds, cache: list[Any], row: int | None = None) -> Snapshot:
+    """Every stateful leaf's state now (a batch-of-one cache, or `row` of a batch cache: only
+    those leaves are extracted), named as block tensors; new arrays, unchanged by later writes."""
     out: Snapshot = {}
     for i, (kind, leaf) in enumerate(zip(kinds.leaves, flatten(cache), strict=True)):
+        if row is not None and kind.kind != KV:
+            leaf = leaf.extract(row)  # mlx-lm's own: a batch window without its row's padding
         if kind.kind == ROTATING:
             out[f"{i}.window.keys"], out[f"{i}.window.values"] = window_in_order(leaf)
         elif kind.kind == ARRAYS:

@@ -371,10 +371,10 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             return []
         return list(range((cached // self.B + 1) * self.B, prompt_len, self.B))
 
-    def snapshot(self, cache: list[Any]) -> Any | None:
-        """The state of `cache`'s stateful layers at its current length (a batch of one), for
-        `store`'s `boundary_states` keyed by that length; None for a plain-KV model."""
-        return None if self.kinds is None else layer_states.snapshot(self.kinds, cache)
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
+        """The state of `cache`'s stateful layers at its current length (a batch of one, or `row` of
+        a batch cache), for `store`'s `boundary_states` keyed by that length; None for plain KV."""
+        return None if self.kinds is None else layer_states.snapshot(self.kinds, cache, row)
 
     def _cache_length(self, cache: list[Any], n_tokens: int) -> int:
         """Tokens `cache` holds: its first attention leaf's offset; `n_tokens` when it has none."""

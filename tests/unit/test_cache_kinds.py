@@ -185,3 +185,17 @@ def test_two_prompts_sharing_a_system_prompt_share_its_blocks(model) -> None:
     assert got == expected and cached == 3 * B  # the system prompt's blocks, from a's prefill
     pc.store(b[:-1], cache, final=False, boundary_states=states)
     assert store.hot.stats()["blocks"] == blocks + 3  # b's own two blocks and tail; none of the system's
+
+
+def test_a_snapshot_of_a_batch_row_is_that_sequence_s_own(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    solo = []
+    for seed in (11, 12):
+        cache = make_prompt_cache(model)
+        prefill(model, pc, cache, prompt(seed, 2 * B + 1), 0)
+        solo.append(cache)
+    batch = [type(a).merge([a, b]) for a, b in zip(*solo, strict=True)]
+    for row in (0, 1):
+        own, of_row = pc.snapshot(solo[row]), pc.snapshot(batch, row=row)
+        assert sorted(own) == sorted(of_row) and own
+        assert all(mx.array_equal(own[name], of_row[name]).item() for name in own)
