@@ -10,6 +10,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.cache.block import CacheBlock
+from omlx.cache.cache_kinds import flatten
 
 # A block's tensor holding every layer's keys and values, (2 x layers, heads, tokens, head dim):
 # keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
@@ -109,20 +110,12 @@ def join_blocks(
 
 
 def kv_bytes_per_token(model: Any) -> int:
-    """Bytes each token adds to the model's KV cache (its KVCache layers; rotating windows and
-    recurrent state do not grow with the sequence), measured on a one-token forward pass."""
+    """Bytes each token adds to the model's KV cache (its KVCache leaves, also inside a CacheList;
+    rotating windows and recurrent state do not grow with the sequence), from a one-token pass."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     return sum(
         (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
-        for c in cache if type(c) is KVCache and c.keys is not None
+        for c in flatten(cache) if type(c) is KVCache and c.keys is not None
     )  # fmt: skip
-
-
-def sliceable(model: Any) -> tuple[bool, str]:
-    """Only plain KVCache layers can be cut into token ranges and concatenated back."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds == {"KVCache"}:
-        return True, ""
-    return False, f"its cache layers are {', '.join(sorted(kinds))} (only KVCache can be split into blocks)"

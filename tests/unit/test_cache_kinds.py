@@ -199,3 +199,36 @@ def test_a_snapshot_of_a_batch_row_is_that_sequence_s_own(model) -> None:
         own, of_row = pc.snapshot(solo[row]), pc.snapshot(batch, row=row)
         assert sorted(own) == sorted(of_row) and own
         assert all(mx.array_equal(own[name], of_row[name]).item() for name in own)
+
+
+def test_a_first_ssd_restore_probed_on_part_of_its_run_still_equals_the_miss(model, tmp_path: Path) -> None:
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    tokens = prompt(13, 9 * B + 2)
+    expected, cache, states = miss(model, pc, tokens)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    while pc.tick(idle=True):
+        pass
+    assert ssd.flush(10)
+    pc.close(timeout=1.0)
+    ssd.close()
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    fresh = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    fresh.observe_prefill(64, 0, 60.0)  # recomputing is known (and slow): the unmeasured SSD is probed first
+    assert fresh.costs.due_probe(fresh.ssd_rate)
+    got, cached = hit(model, fresh, tokens)
+    assert got == expected and cached == len(tokens) - 1
+    assert fresh.ssd_rate.value is not None and fresh.costs.state_bytes > 0  # timed, and the state told apart
+    fresh.close(timeout=1.0)
+    ssd.close()
+
+
+def test_kv_bytes_per_token_counts_the_kv_leaves_alone(model) -> None:
+    from omlx.cache.kv_layout import kv_bytes_per_token
+
+    kinds, _ = model_kinds(model)
+    kv_leaves = sum(k.kind == "kv" for k in kinds.leaves)
+    assert (kv_bytes_per_token(model) > 0) == (kv_leaves > 0)  # falcon_h1's are inside CacheLists
+    assert kv_bytes_per_token(model) % (kv_leaves or 1) == 0  # the same bytes per token per leaf here
