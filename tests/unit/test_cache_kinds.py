@@ -232,3 +232,15 @@ def test_kv_bytes_per_token_counts_the_kv_leaves_alone(model) -> None:
     kv_leaves = sum(k.kind == "kv" for k in kinds.leaves)
     assert (kv_bytes_per_token(model) > 0) == (kv_leaves > 0)  # falcon_h1's are inside CacheLists
     assert kv_bytes_per_token(model) % (kv_leaves or 1) == 0  # the same bytes per token per leaf here
+
+
+def test_blocks_pushed_out_to_ram_restore_equal_to_the_miss(model) -> None:
+    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
+    pc = prefix_cache(model, store)
+    tokens = prompt(14, 3 * B + 5)
+    expected, cache, states = miss(model, pc, tokens)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    assert pc.yield_memory(1 << 30) > 0 and store.hot.stats()["blocks"] == 0
+    assert store.warm.stats()["blocks"] == 4  # three full blocks and the tail, as host bytes
+    got, cached = hit(model, pc, tokens)
+    assert got == expected and cached == len(tokens) - 1
