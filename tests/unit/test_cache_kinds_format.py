@@ -167,3 +167,16 @@ def test_a_store_stops_at_the_first_block_without_its_state(tmp_path: Path) -> N
     assert store.hot.stats()["blocks"] == 1  # block 3 and the tail would hang off a hole
     pc.store(list(range(50)), cache, final=False, boundary_states={32: snap, 48: snap})
     assert store.hot.stats()["blocks"] == 4  # blocks 2, 3 and the tail, at the cache's own length
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_each_tiny_architecture_loads_with_mlx_lm_and_generates(name: str, tmp_path: Path) -> None:
+    import mlx_lm
+
+    folder = build_tiny_arch(tmp_path / name, ARCHS[name]())
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 4 << 20  # a few MB at most
+    model, tokenizer = mlx_lm.load(str(folder))
+    kinds, _ = cache_kinds(model.make_cache())
+    assert kinds is not None and kinds.stateful  # a real mix of kinds, not all KV
+    ids = [t for r in mlx_lm.stream_generate(model, tokenizer, "The quick brown fox", max_tokens=8) for t in [r.token]]
+    assert len(ids) == 8 and len(set(ids)) > 1  # greedy output that varies
