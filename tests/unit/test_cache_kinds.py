@@ -244,3 +244,32 @@ def test_blocks_pushed_out_to_ram_restore_equal_to_the_miss(model) -> None:
     assert store.warm.stats()["blocks"] == 4  # three full blocks and the tail, as host bytes
     got, cached = hit(model, pc, tokens)
     assert got == expected and cached == len(tokens) - 1
+
+
+def batch_generate(model: Any, entries: list[tuple[list[int], list[Any] | None, list[int]]], n: int) -> list[list[int]]:
+    """Greedy tokens through mlx-lm's `BatchGenerator`, each entry (tokens still to prefill,
+    restored cache or None, the tokens the cache holds) as one sequence of one batch."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n)
+    uids = gen.insert(
+        [rest for rest, _, _ in entries], caches=[c for _, c, _ in entries], all_tokens=[held for _, _, held in entries]
+    )
+    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    while any(len(v) < n for v in out.values()):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[uid] for uid in uids]
+
+
+def test_restored_caches_serve_batch_generator_mixed_with_a_miss(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    a, b = prompt(15, 3 * B + 6), prompt(16, 2 * B + 9)
+    alone = [batch_generate(model, [(p, None, [])], 8)[0] for p in (a, b)]
+    _, cache, states = miss(model, pc, a, n=0)
+    pc.store(a[:-1], cache, final=False, boundary_states=states)
+    restored, cached = pc.lookup(a)
+    assert cached == len(a) - 1
+    together = batch_generate(model, [(a[cached:], restored, a[:cached]), (b, None, [])], 8)
+    assert together == alone
