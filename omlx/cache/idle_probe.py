@@ -47,7 +47,7 @@ class IdleProbe:
         count = ssd.block_count
         if count == self._idle_probe_none_at:  # nothing new since it held none of ours
             return
-        block_bytes = self.B * self.bytes_per_token
+        block_bytes = self.block_bytes
         keys = ssd.recent_keys(self.fp, max(1, IDLE_PROBE_BYTES // block_bytes) if block_bytes else 1)
         if not keys:
             self._idle_probe_none_at = count if ssd.wait_ready(0) else -1

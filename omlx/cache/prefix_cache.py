@@ -110,6 +110,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
     def bytes_per_token(self, value: int) -> None:
         self.costs.bytes_per_token = value
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one full block: its KV and, with stateful layers, their state (0: not known)."""
+        return self.costs.restore_bytes(self.B)
+
     # ----- lookup / restore ----------------------------------------------------------
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
         try:
@@ -219,7 +224,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             return None
         block = None
         if warm is not None and warm.contains(key):
-            block = self._from_warm(key, move=hot.can_hold(self.B * self.bytes_per_token))
+            block = self._from_warm(key, move=hot.can_hold(self.block_bytes))
         if block is None and ssd is not None and ssd.contains(key, self.fp):
             block = ssd.get(key, self.fp)
         if block is not None:
@@ -265,7 +270,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         chain, new = self._chain_and_new(tokens, keys, start, known)
         rest = 0
         if final and ram_is_enough:
-            per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self.bytes_per_token * self.B))
+            per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self.block_bytes))
             if len(new) > per_call:
                 rest, new = new[per_call][2], new[:per_call]
         states = None
@@ -445,7 +450,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         """The hot tier cannot hold one block (it is off, or smaller), so every stored block
         goes to host RAM at once, copied on the engine thread."""
         warm, hot = self.tiers.warm, self.tiers.hot
-        return warm is not None and self.bytes_per_token > 0 and not hot.can_hold(self.bytes_per_token * self.B)
+        return warm is not None and self.block_bytes > 0 and not hot.can_hold(self.block_bytes)
 
     def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
         self.prefill.observe(tokens, depth, seconds)

@@ -82,7 +82,7 @@ class RestoreModel:
 
     def learn_size(self, nbytes: int, tokens: int, state_bytes: int = 0) -> None:
         """The KV bytes per token and the bytes of a block's whole state, from the first block seen."""
-        if not self.bytes_per_token:
+        if not self.bytes_per_token and not self.state_bytes:
             self.bytes_per_token = (nbytes - state_bytes) // max(1, tokens)
             self.state_bytes = state_bytes
 
@@ -112,7 +112,7 @@ class RestoreModel:
     ) -> tuple[bool, tuple[Any, ...] | None]:
         """`pays`' verdict, and its debug line's arguments (None when not logged)."""
         recompute_s = self.prefill.seconds(n_tokens, depth)
-        if recompute_s is None or rate.value is None or not self.bytes_per_token:
+        if recompute_s is None or rate.value is None or not self.restore_bytes(n_tokens):
             return True, None  # no measurement yet: restoring is how we get one
         restore_s = self.restore_bytes(n_tokens) / rate.value
         pays = restore_s < RESTORE_MARGIN * recompute_s

@@ -180,3 +180,15 @@ def test_each_tiny_architecture_loads_with_mlx_lm_and_generates(name: str, tmp_p
     assert kinds is not None and kinds.stateful  # a real mix of kinds, not all KV
     ids = [t for r in mlx_lm.stream_generate(model, tokenizer, "The quick brown fox", max_tokens=8) for t in [r.token]]
     assert len(ids) == 8 and len(set(ids)) > 1  # greedy output that varies
+
+
+def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
+    model = RestoreModel()
+    model.block_size = 16
+    model.learn_size(5000, 16, state_bytes=5000)  # mamba2: no KV at all
+    model.learn_size(9999, 3, state_bytes=9999)  # learned once, from the first block seen
+    assert model.bytes_per_token == 0 and model.restore_bytes(32) == 10000
+    for n in (100, 200, 400):
+        model.prefill.observe(n, 0, n * 0.01)
+    model.ssd_rate.observe(10000, 10.0)  # 1 kB/s: far slower than recomputing 32 tokens (0.32 s)
+    assert model.judge(32, 0, model.ssd_rate)[0] is False  # judged, not waved through as unmeasured
