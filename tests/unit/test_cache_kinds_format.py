@@ -192,3 +192,31 @@ def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
         model.prefill.observe(n, 0, n * 0.01)
     model.ssd_rate.observe(10000, 10.0)  # 1 kB/s: far slower than recomputing 32 tokens (0.32 s)
     assert model.judge(32, 0, model.ssd_rate)[0] is False  # judged, not waved through as unmeasured
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("steps", [[5], [12], [5, 1, 1, 1, 1, 1, 1, 1], [12, 1, 1, 7, 1]])
+def test_a_window_restored_in_order_goes_on_as_the_original(keep: int, steps: list[int]) -> None:
+    from omlx.cache.layer_states import window_in_order
+
+    kinds, _ = cache_kinds([RotatingKVCache(max_size=8, keep=keep)])
+    original = RotatingKVCache(max_size=8, keep=keep)
+    key = iter(mx.random.split(mx.random.key(keep), 64))
+
+    def feed(c: RotatingKVCache, n: int, k: mx.array) -> tuple[mx.array, mx.array]:
+        x = mx.random.normal((1, 2, n, 4), key=k)
+        return c.update_and_fetch(x, x + 1)
+
+    for n in steps:
+        feed(original, n, next(key))
+    keys, values = window_in_order(original)
+    assert keys.shape[2] == min(8, sum(steps))
+    block = CacheBlock("k" * 64, None, FP, sum(steps), kinds.tags(), {"0.window.keys": keys, "0.window.values": values})
+    from omlx.cache.layer_states import restore
+
+    (restored,) = restore(kinds, [(block, sum(steps))])
+    for n in (1, 1, 6, 1, 9, 1):  # decode steps and chunks: what each attends to stays the same
+        k = next(key)
+        feed(original, n, k), feed(restored, n, k)
+        assert mx.array_equal(window_in_order(original)[0], window_in_order(restored)[0]).item()
+        assert restored.offset == original.offset
