@@ -47,7 +47,7 @@ class IdleProbe:
         count = ssd.block_count
         if count == self._idle_probe_none_at:  # nothing new since it held none of ours
             return
-        block_bytes = self.B * self.bytes_per_token
+        block_bytes = self.block_bytes
         keys = ssd.recent_keys(self.fp, max(1, IDLE_PROBE_BYTES // block_bytes) if block_bytes else 1)
         if not keys:
             self._idle_probe_none_at = count if ssd.wait_ready(0) else -1
@@ -66,7 +66,7 @@ class IdleProbe:
         upload = time.perf_counter() - tic
         nbytes = sum(b.nbytes for b in blocks)
         seconds = max(r.finished for r in reads) - min(r.started for r in reads) + upload
-        self.costs.learn_size(blocks[0].nbytes, blocks[0].token_count)
+        self._learn_size(blocks[0])
         self.ssd_rate.forget()  # a re-probe replaces what was measured
         self.ssd_rate.observe(nbytes, seconds)
         self._save_costs(force=True)

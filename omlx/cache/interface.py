@@ -37,9 +37,28 @@ class PrefixCacheInterface(Protocol):
         """Make a finished prefetch's blocks available to the next `lookup`."""
         ...
 
-    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
-        """Store the blocks of `tokens` from token `start` on that are not cached yet; 0 when
-        done, else where the blocks left for a later call (same cache, while idle) begin."""
+    def store(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        *,
+        final: bool,
+        start: int = 0,
+        boundary_states: dict[int, Any] | None = None,
+    ) -> int:
+        """Store the blocks of `tokens` from token `start` on that are not cached yet (with stateful
+        layers, up to the first block end missing from `boundary_states`); 0 when done, else where
+        the blocks left for a later call (same cache, while idle) begin."""
+        ...
+
+    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
+        """Token indices where a prefill chunk must end so that `snapshot` can be taken there
+        (block boundaries after `cached`); [] when the model's layers are all plain KV."""
+        ...
+
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
+        """The state of `cache`'s stateful layers at its current length (a batch of one, or that
+        `row` of a batch cache), for `store(boundary_states={length: snapshot})`; None: nothing to capture."""
         ...
 
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
@@ -108,8 +127,22 @@ class NoCache:
     def take(self, prefetched: Any) -> None:
         return None
 
-    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
+    def store(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        *,
+        final: bool,
+        start: int = 0,
+        boundary_states: dict[int, Any] | None = None,
+    ) -> int:
         return 0
+
+    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
+        return []
+
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
+        return None
 
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
         return None

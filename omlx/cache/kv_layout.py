@@ -10,6 +10,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx.cache.block import CacheBlock
+from omlx.cache.cache_kinds import flatten
 
 # A block's tensor holding every layer's keys and values, (2 x layers, heads, tokens, head dim):
 # keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape
@@ -63,14 +64,14 @@ def _layer_kv(block: CacheBlock, layer: int) -> tuple[mx.array, mx.array]:
     return block.tensors[f"{layer}.keys"], block.tensors[f"{layer}.values"]
 
 
-def _first_tokens(t: mx.array, n: int, token_count: int) -> mx.array:
+def first_tokens(t: mx.array, n: int, token_count: int) -> mx.array:
     """A view of `t`'s first `n` tokens (axis 2); a new array object even for all of them:
     handed to a KV cache as they are, a block's own arrays would change with the cache's
     writes (MLX's `a[...] = x` updates the object `a`)."""
     return t[:, :, : min(n, token_count), :]
 
 
-def _kv_cache(keys: mx.array, values: mx.array) -> KVCache:
+def kv_cache(keys: mx.array, values: mx.array) -> KVCache:
     c = KVCache()
     c.state = (keys, values, keys.shape[2])
     return c
@@ -83,7 +84,7 @@ def join_blocks(
     blocks are joined with one copy each per group of layers of at most `JOIN_GROUP_BYTES` and
     `max_elements`, each layer's arrays views of its group's (docs/design/ram-moves.md)."""
     if all(KV_STACK in block.tensors for block, _ in parts):
-        stacks = [_first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
+        stacks = [first_tokens(block.tensors[KV_STACK], n, block.token_count) for block, n in parts]
         rows, heads, _, dim = stacks[0].shape
         per_layer = 2 * heads * dim * sum(s.shape[2] for s in stacks)
         by_bytes = JOIN_GROUP_BYTES // max(1, per_layer * stacks[0].dtype.size)
@@ -93,36 +94,28 @@ def join_blocks(
             lo, hi = 2 * first, 2 * min(num_layers, first + group)
             pieces = [s if (lo, hi) == (0, rows) else s[lo:hi] for s in stacks]
             kv = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-            caches += [_kv_cache(kv[r][None], kv[r + 1][None]) for r in range(0, hi - lo, 2)]
+            caches += [kv_cache(kv[r][None], kv[r + 1][None]) for r in range(0, hi - lo, 2)]
         return caches
     caches = []
     for layer in range(num_layers):
         keys, values = [], []
         for block, n in parts:
             k, v = _layer_kv(block, layer)
-            keys.append(_first_tokens(k, n, block.token_count))
-            values.append(_first_tokens(v, n, block.token_count))
+            keys.append(first_tokens(k, n, block.token_count))
+            values.append(first_tokens(v, n, block.token_count))
         k = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=2)
         v = values[0] if len(values) == 1 else mx.concatenate(values, axis=2)
-        caches.append(_kv_cache(k, v))
+        caches.append(kv_cache(k, v))
     return caches
 
 
 def kv_bytes_per_token(model: Any) -> int:
-    """Bytes each token adds to the model's KV cache (its KVCache layers; rotating windows and
-    recurrent state do not grow with the sequence), measured on a one-token forward pass."""
+    """Bytes each token adds to the model's KV cache (its KVCache leaves, also inside a CacheList;
+    rotating windows and recurrent state do not grow with the sequence), from a one-token pass."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     return sum(
         (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
-        for c in cache if type(c) is KVCache and c.keys is not None
+        for c in flatten(cache) if type(c) is KVCache and c.keys is not None
     )  # fmt: skip
-
-
-def sliceable(model: Any) -> tuple[bool, str]:
-    """Only plain KVCache layers can be cut into token ranges and concatenated back."""
-    kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-    if kinds == {"KVCache"}:
-        return True, ""
-    return False, f"its cache layers are {', '.join(sorted(kinds))} (only KVCache can be split into blocks)"

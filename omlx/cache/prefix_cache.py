@@ -1,6 +1,6 @@
-"""One model's prefix cache (`PrefixCacheInterface`): find, restore and store its KV blocks,
-full ones and each sequence's unfinished tail, over the tiers every model shares; its parts
-are `tier_restore`, `read_ahead`, `write_back`, `idle_probe`, `tail_index`, `restore_model`."""
+"""One model's prefix cache (`PrefixCacheInterface`): find, restore and store its blocks, full
+ones and each sequence's unfinished tail, over the tiers every model shares; its parts are
+`tier_restore`, `read_ahead`, `write_back`, `idle_probe`, `tail_lookup`, `layer_states` ..."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx.cache import write_back
+from omlx.cache import layer_states, write_back
 from omlx.cache.block import CacheBlock
 from omlx.cache.block_hash import (
     block_keys,
     chain_key,
     model_fingerprint,
-    tail_keys,
     weights_digest,
 )
+from omlx.cache.cache_kinds import CacheKinds, flatten, model_kinds
 from omlx.cache.cost_file import CostFile
 from omlx.cache.idle_probe import IdleProbe
 from omlx.cache.interface import NoCache, PrefixCacheInterface
@@ -29,7 +29,6 @@ from omlx.cache.kv_layout import (
     KV_STACK,
     join_blocks,
     layer_tensors,
-    sliceable,
     stack_group_bytes,
     stackable,
 )
@@ -38,36 +37,40 @@ from omlx.cache.read_ahead import ReadAhead
 from omlx.cache.restore_model import RestoreModel, Throughput
 from omlx.cache.store import CacheStore
 from omlx.cache.tail_index import TailIndex
+from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS, TailLookup
 from omlx.cache.tier_restore import TierRestore
 from omlx.cache.write_back import WRITE_BACK_BOUND_GPU, WriteBack
 from omlx.platform_info import discrete_gpu
 
 log = logging.getLogger("omlx.cache")
 
-# A partial block alone is restored only from this many tokens: a few shared tokens (a chat
-# template's header) save no measurable prefill, yet make the request's prompt length differ
-# from its prefill batch-mates', which sends the batch through mlx-lm's padded path.
-MIN_TAIL_ONLY_TOKENS = 32
+__all__ = ["MIN_TAIL_ONLY_TOKENS", "PrefixCache", "make_prefix_cache"]
 
 
-
-
-
-class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
+class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
     """One model's prefix cache over the shared tiers (`PrefixCacheInterface`)."""
 
     grid = 0  # the engine's prefill grid (`PrefixCacheInterface.grid`)
 
     def __init__(
-        self, store: CacheStore, fingerprint: str, num_layers: int, model_id: str, attention: float | None = None
+        self,
+        store: CacheStore,
+        fingerprint: str,
+        num_layers: int,
+        model_id: str,
+        attention: float | None = None,
+        kinds: CacheKinds | None = None,
     ):
         self.tiers = store
+        # per-leaf cache kinds; None or plain KV: blocks as before kinds existed (docs/design/cache-kinds.md)
+        self.kinds = kinds if kinds is not None and not kinds.plain_kv else None
         self.fp = fingerprint
         self.B = self.block_size = store.block_size
         self.num_layers = num_layers
         self.model_id = model_id
         # restore or recompute: the prefill cost on this device and each slow tier's rate
         self.costs = RestoreModel(model_id, attention)
+        self.costs.block_size = self.B if self.kinds is not None else 0  # a state per block restored
         self.prefill = self.costs.prefill
         self.ssd_rate = self.costs.ssd_rate
         self.warm_rate = self.costs.warm_rate
@@ -106,6 +109,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
     @bytes_per_token.setter
     def bytes_per_token(self, value: int) -> None:
         self.costs.bytes_per_token = value
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one full block: its KV and, with stateful layers, their state (0: not known)."""
+        return self.costs.restore_bytes(self.B)
 
     # ----- lookup / restore ----------------------------------------------------------
     def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
@@ -158,7 +166,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         if not parts:
             return None, 0
         self._refresh_chain([block.key for block, _ in parts])
-        caches = join_blocks(parts, self.num_layers)
+        caches = join_blocks(parts, self.num_layers) if self.kinds is None else layer_states.restore(self.kinds, parts)
         if restored:
             self._charge_restores(caches, restored)
         return caches, sum(used for _, used in parts)
@@ -177,30 +185,6 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
                 self.tiers.hot.put(block, keep=frozenset(keys))
             blocks.append(block)
         return blocks
-
-    def _with_tail(
-        self, parts: list[tuple[CacheBlock, int]], keys: list[str], tokens: list[int], skipped: bool
-    ) -> list[tuple[CacheBlock, int]]:
-        """`parts` (full blocks) and, where one is found and usable, the partial block after
-        them (`_find_tail`), with how many of its tokens to use."""
-        limit, blocks = len(tokens) - 1, len(parts)
-        n = blocks * self.B
-        # after a skipped restore the tail, too, only comes from device memory: the token-level
-        # search would otherwise fetch from the tier just judged slower than recomputing
-        tail, usable = None, 0
-        # no tail either when it could not reach the engine's prefill grid (a tail is shorter
-        # than a block): the engine would drop it after its fetch, stalling every stream
-        reach = self.grid - n % self.grid if self.grid else 1
-        if limit - n >= reach and reach < self.B:  # else none is fetched, from any tier
-            tail, usable = self._find_tail(keys[blocks - 1] if blocks else None, tokens[n:], skipped, frozenset(keys))
-        if tail is not None:
-            # an exact repeat finds the whole prompt's tail: use all but the last token
-            use = min(usable, limit - n)
-            if self.grid:
-                use -= (n + use) % self.grid
-            if use > 0 and (blocks or use >= MIN_TAIL_ONLY_TOKENS):
-                parts.append((tail, use))
-        return parts
 
     def _charge_restores(self, caches: list[Any], restored: list[tuple[Throughput, int, float]]) -> None:
         """The model's cache built from restored blocks is where their cost ends (on a CUDA GPU
@@ -224,27 +208,6 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             run.append(keys[i])
         return run
 
-    def _find_tail(
-        self, parent: str | None, rest: list[int], hot_only: bool = False, chain: frozenset[str] = frozenset()
-    ) -> tuple[CacheBlock | None, int]:
-        """The stored block after `parent` sharing the longest token prefix with `rest`, and how
-        many tokens of it are usable: exact partial blocks by key (also after a restart), then this
-        process's blocks token by token (`TailIndex`)."""
-        best: tuple[CacheBlock | None, int] = (None, 0)
-        keys = tail_keys(self.fp, parent, rest[: self.B - 1])
-        for length in range(len(keys), 0, -1):
-            block = self._get(keys[length - 1], hot_only, chain)
-            if block is not None:
-                best = (block, length)
-                break
-        for shared, key in self.tails.candidates(parent, rest):
-            if shared <= best[1]:
-                break
-            block = self._get(key, hot_only, chain)
-            if block is not None:
-                return block, shared
-        return best
-
     def _get(self, key: str, hot_only: bool = False, chain: frozenset[str] = frozenset()) -> CacheBlock | None:
         """A block from device memory, else (unless `hot_only`) RAM or the SSD, promoted to
         hot without pushing out `chain`'s blocks; None if in none."""
@@ -261,7 +224,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             return None
         block = None
         if warm is not None and warm.contains(key):
-            block = self._from_warm(key, move=hot.can_hold(self.B * self.bytes_per_token))
+            block = self._from_warm(key, move=hot.can_hold(self.block_bytes))
         if block is None and ssd is not None and ssd.contains(key, self.fp):
             block = ssd.get(key, self.fp)
         if block is not None:
@@ -273,11 +236,20 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         return block
 
     # ----- store ---------------------------------------------------------------------
-    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
+    def store(
+        self,
+        tokens: list[int],
+        cache: list[Any],
+        *,
+        final: bool,
+        start: int = 0,
+        boundary_states: dict[int, Any] | None = None,
+    ) -> int:
         """Store every full block not cached yet and the unfinished tail as a partial block, from
-        token `start` on; 0 when done, else where the blocks left for a later call begin (when only
-        RAM keeps blocks a finished sequence is stored `WRITE_BACK_CHUNK` a call: write-back.md)."""
-        n_tokens = min(len(tokens), cache[0].offset if cache else 0)
+        token `start` on; 0 when done, else where the blocks left for a later call begin (`tokens` past
+        what `cache` holds are cut, but a cache of recurrent layers alone cannot tell: cache-kinds.md)."""
+        held = self._cache_length(cache, len(tokens))
+        n_tokens = min(len(tokens), held)
         tokens = tokens[:n_tokens]
         keys = block_keys(self.fp, tokens, self.B)
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
@@ -298,13 +270,16 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         chain, new = self._chain_and_new(tokens, keys, start, known)
         rest = 0
         if final and ram_is_enough:
-            per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self.bytes_per_token * self.B))
+            per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self.block_bytes))
             if len(new) > per_call:
                 rest, new = new[per_call][2], new[:per_call]
+        states = None
+        if self.kinds is not None:  # a block of stateful layers only with their state at its end
+            new, states = self._states_at_ends(new, cache, held, boundary_states or {})
         if not new:
             self._refresh_chain(chain)
             return 0
-        blocks = self._make_blocks(cache, new)
+        blocks = self._make_blocks(cache, new, states)
         for key, parent, a, b in new:
             self.tails.remember(parent, key, tokens[a:b])
         mx.eval([t for b in blocks for t in b.tensors.values()])
@@ -318,7 +293,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             hot.put(block, keep=frozenset(chain[: a // self.B]))
         self._refresh_chain(chain)
         if blocks:
-            self.costs.learn_size(blocks[0].nbytes, blocks[0].token_count)
+            self._learn_size(blocks[0])
         return rest
 
     def _chain_and_new(
@@ -352,12 +327,17 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             if tier is not None:
                 tier.touch_many(order)
 
-    def _make_blocks(self, cache: list[Any], specs: list[tuple[str, str | None, int, int]]) -> list[CacheBlock]:
-        """Blocks of `cache` for `(key, parent, start, end)` token ranges; on a GPU, stacked blocks
-        are cut from one stack of each run of adjacent ranges (`STACK_GROUP_BYTES` at a time), far
-        fewer launches for the price of copying twice (docs/design/ram-moves.md)."""
+    def _make_blocks(
+        self, cache: list[Any], specs: list[tuple[str, str | None, int, int]], states: dict[int, Any] | None = None
+    ) -> list[CacheBlock]:
+        """Blocks of `cache` for `(key, parent, start, end)` token ranges (with stateful layers, their
+        `states` at each end); on a GPU, stacked blocks are cut from one stack of each run of adjacent
+        ranges (`STACK_GROUP_BYTES` at a time), far fewer launches (docs/design/ram-moves.md)."""
         if not specs:
             return []
+        if states is not None:
+            tensors = layer_states.block_tensors
+            return [self._block(k, p, b - a, tensors(self.kinds, cache, a, b, states[b])) for k, p, a, b in specs]
         if not stackable(cache):
             return [self._block(key, parent, b - a, layer_tensors(cache, a, b)) for key, parent, a, b in specs]
         per_token = 2 * len(cache) * cache[0].keys.shape[1] * cache[0].keys.shape[3] * cache[0].keys.itemsize
@@ -381,8 +361,45 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
     def _block(self, key: str, parent: str | None, token_count: int, tensors: dict[str, mx.array]) -> CacheBlock:
         return CacheBlock(
             key=key, parent=parent, fingerprint=self.fp, token_count=token_count,
-            layer_types=["kv"] * self.num_layers, tensors=tensors,
+            layer_types=["kv"] * self.num_layers if self.kinds is None else self.kinds.tags(), tensors=tensors,
         )  # fmt: skip
+
+    # ----- stateful layers (docs/design/cache-kinds.md) ------------------------------
+    def _learn_size(self, block: CacheBlock) -> None:
+        """The restore model's sizes from a block: KV bytes per token, and its whole state's bytes."""
+        self.costs.learn_size(block.nbytes, block.token_count, layer_states.state_nbytes(block.tensors))
+
+    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
+        """The token indices where a prefill chunk must end for `snapshot`: the block boundaries
+        after `cached` and before the prompt's last token; none for a plain-KV model."""
+        if self.kinds is None:
+            return []
+        return list(range((cached // self.B + 1) * self.B, prompt_len, self.B))
+
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
+        """The state of `cache`'s stateful layers at its current length (a batch of one, or `row` of
+        a batch cache), for `store`'s `boundary_states` keyed by that length; None for plain KV."""
+        return None if self.kinds is None else layer_states.snapshot(self.kinds, cache, row)
+
+    def _cache_length(self, cache: list[Any], n_tokens: int) -> int:
+        """Tokens `cache` holds: its first attention leaf's offset; `n_tokens` when it has none."""
+        return next((int(leaf.offset) for leaf in flatten(cache) if hasattr(leaf, "offset")), n_tokens if cache else 0)
+
+    def _states_at_ends(
+        self, new: list[tuple[str, str | None, int, int]], cache: list[Any], length: int, given: dict[int, Any]
+    ) -> tuple[list[tuple[str, str | None, int, int]], dict[int, Any]]:
+        """`new` up to the first block whose end has no complete state (`given`, or `cache` itself
+        at its `length` when its layers tell it): a chain with a hole serves nothing after it."""
+        states: dict[int, Any] = {}
+        tells = any(hasattr(leaf, "offset") for leaf in flatten(cache))  # else `length` is the caller's word
+        for i, (_, _, _, end) in enumerate(new):
+            state = given.get(end)
+            if state is None and tells and end == length:
+                state = layer_states.snapshot(self.kinds, cache)
+            if not layer_states.complete(self.kinds, state):
+                return new[:i], states
+            states[end] = state
+        return new, states
 
     def close(self, timeout: float) -> None:
         """At engine shutdown: copy to RAM this model's evicted blocks, hand the SSD writer what
@@ -433,7 +450,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
         """The hot tier cannot hold one block (it is off, or smaller), so every stored block
         goes to host RAM at once, copied on the engine thread."""
         warm, hot = self.tiers.warm, self.tiers.hot
-        return warm is not None and self.bytes_per_token > 0 and not hot.can_hold(self.bytes_per_token * self.B)
+        return warm is not None and self.block_bytes > 0 and not hot.can_hold(self.block_bytes)
 
     def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
         self.prefill.observe(tokens, depth, seconds)
@@ -448,18 +465,23 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe):
             self.cost_file.save(self.costs, force=force, wait=wait)
 
 
-def make_prefix_cache(store: CacheStore, loaded: Any) -> PrefixCacheInterface:
-    """The factory the engine pool calls on the engine thread after a model loads."""
-    ok, reason = sliceable(loaded.model)
-    if not ok:
+def make_prefix_cache(store: CacheStore, loaded: Any, *, captures_states: bool = False) -> PrefixCacheInterface:
+    """The factory the engine pool calls on the engine thread after a model loads; a model with
+    stateful layers (rotating windows, recurrent arrays) is cached only for an engine that
+    `captures_states` (ends prefill chunks on `capture_points` and passes `snapshot`s to `store`)."""
+    kinds, reason = model_kinds(loaded.model)
+    if kinds is not None and kinds.stateful and not captures_states:
+        names = sorted({type(c).__name__ for c in flatten(make_prompt_cache(loaded.model))})
+        kinds, reason = None, f"its cache layers are {', '.join(names)} (this engine captures no layer states)"
+    if kinds is None:
         log.warning("model %s is served without the prefix cache: %s", loaded.info.id, reason)
         return NoCache()
     fp = model_fingerprint(
-        loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, "kv", store.block_size
+        loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, kinds.kv_format(), store.block_size
     )
     try:
         attention = attention_ratio(loaded.model)
     except (AttributeError, TypeError, ValueError, KeyError):  # a prior for an estimate: never worth failing a load over
         log.warning("model %s: attention's share of the prefill cost not read from its shapes", loaded.info.id)
         attention = None
-    return PrefixCache(store, fp, len(make_prompt_cache(loaded.model)), loaded.info.id, attention=attention)
+    return PrefixCache(store, fp, len(kinds.leaves), loaded.info.id, attention=attention, kinds=kinds)

@@ -71,7 +71,7 @@ class ReadAhead:
         the SSD run read on the reader threads (`on_done` when over), the RAM run left to `advance`;
         only runs of `PREFETCH_MIN_BYTES` the rates say to restore; None when nothing is to do."""
         ssd, hot, warm = self.tiers.ssd, self.tiers.hot, self.tiers.warm
-        if (ssd is None and warm is None) or not self.bytes_per_token:
+        if (ssd is None and warm is None) or not self.block_bytes:
             return None
         limit = len(tokens) - 1
         keys = self._prompt_keys(tokens, keep=True)
@@ -87,12 +87,12 @@ class ReadAhead:
         run, ssd_why = [], None
         if ssd is not None and self.ssd_rate.value is not None:
             run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
-        pays = len(run) * self.B * self.bytes_per_token >= PREFETCH_MIN_BYTES
+        pays = len(run) * self.block_bytes >= PREFETCH_MIN_BYTES
         if pays:
             pays, ssd_why = self.costs.judge(len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate)
         if not pays:
             run = []
-        block_bytes = self.B * self.bytes_per_token
+        block_bytes = self.block_bytes
         if self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
             ram_run = []  # unmeasured: `lookup` times a part of it first; small: in line is fine
         # no more than half the hot tier: moved deepest first, a larger run would push its own

@@ -75,11 +75,21 @@ class RestoreModel:
             Throughput()
         )  # ... and copied from it (a run the hot tier cannot keep)
         self.bytes_per_token = 0
+        # stateful layers (docs/design/cache-kinds.md): each block also holds their whole state,
+        # the same size at any length; `block_size` tokens per full block (0: no such layers)
+        self.state_bytes = 0
+        self.block_size = 0
 
-    def learn_size(self, nbytes: int, tokens: int) -> None:
-        """The KV bytes per token, from the first block seen."""
-        if not self.bytes_per_token:
-            self.bytes_per_token = nbytes // max(1, tokens)
+    def learn_size(self, nbytes: int, tokens: int, state_bytes: int = 0) -> None:
+        """The KV bytes per token and the bytes of a block's whole state, from the first block seen."""
+        if not self.bytes_per_token and not self.state_bytes:
+            self.bytes_per_token = (nbytes - state_bytes) // max(1, tokens)
+            self.state_bytes = state_bytes
+
+    def restore_bytes(self, n_tokens: int) -> int:
+        """What restoring `n_tokens` from a slower tier reads: their KV, and a state per block."""
+        blocks = -(-n_tokens // self.block_size) if self.block_size and self.state_bytes else 0
+        return n_tokens * self.bytes_per_token + blocks * self.state_bytes
 
     def due_probe(self, rate: Throughput) -> bool:
         """Whether a restore from that tier times a part of its run first: the tier is stale
@@ -102,9 +112,9 @@ class RestoreModel:
     ) -> tuple[bool, tuple[Any, ...] | None]:
         """`pays`' verdict, and its debug line's arguments (None when not logged)."""
         recompute_s = self.prefill.seconds(n_tokens, depth)
-        if recompute_s is None or rate.value is None or not self.bytes_per_token:
+        if recompute_s is None or rate.value is None or not self.restore_bytes(n_tokens):
             return True, None  # no measurement yet: restoring is how we get one
-        restore_s = n_tokens * self.bytes_per_token / rate.value
+        restore_s = self.restore_bytes(n_tokens) / rate.value
         pays = restore_s < RESTORE_MARGIN * recompute_s
         if not log.isEnabledFor(logging.DEBUG):
             return pays, None
@@ -131,6 +141,7 @@ class RestoreModel:
             "warm_moves": self.warm_rate.state(),
             "warm_copies": self.warm_copy_rate.state(),
             "bytes_per_token": self.bytes_per_token,
+            "state_bytes": self.state_bytes,
         }
 
     def load(self, state: dict[str, Any]) -> None:
@@ -141,6 +152,7 @@ class RestoreModel:
         # files of an older format kept only copies from RAM, as "warm_restores"
         self.warm_copy_rate.load(state.get("warm_copies") or state.get("warm_restores"))
         self.bytes_per_token = int(state.get("bytes_per_token") or 0)
+        self.state_bytes = int(state.get("state_bytes") or 0)
 
 
 def log_judgement(why: tuple[Any, ...] | None) -> None:

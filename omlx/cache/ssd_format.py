@@ -19,8 +19,11 @@ from omlx.cache.block import HostBlock, HostTensors, checksum_host, checksum_mat
 
 # "2": a block's tensors may be all layers stacked as one (`kv_layout.KV_STACK`); builds
 # that know only "1" (a tensor per layer) discard such files rather than serve them wrong.
+# "3": a block of a model with stateful layers (`layer_states`: per-leaf kinds in
+# `layer_types`, whole states at the block's end); plain-KV blocks are still written as "2".
 FORMAT_VERSION = "2"
-READABLE_FORMATS = ("1", "2")
+STATEFUL_FORMAT_VERSION = "3"
+READABLE_FORMATS = ("1", "2", "3")
 SUFFIX = ".safetensors"
 TMP_MARK = ".safetensors.tmp-"
 _MAX_HEADER = 64 << 20  # no sane block header is anywhere near this
@@ -111,7 +114,7 @@ def check_identity(meta: Mapping[str, str], key: str, fingerprint: str) -> None:
 def block_metadata(block: HostBlock) -> dict[str, str]:
     """The `__metadata__` a block's file is written with."""
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if all(t == "kv" for t in block.layer_types) else STATEFUL_FORMAT_VERSION,
         "key": block.key,
         "parent": block.parent or "",
         "token_count": str(int(block.token_count)),

@@ -20,7 +20,9 @@ def use_on_device(blocks: list[CacheBlock]) -> None:
     for b in blocks:
         by_layout.setdefault(tuple(b.tensors), []).append(b)
     mx.eval([
-        mx.concatenate([b.tensors[name] for b in group], axis=2) for names, group in by_layout.items() for name in names
+        mx.concatenate([b.tensors[name] for b in group], axis=2) if group[0].tensors[name].ndim > 2
+        else group[0].tensors[name] + 0  # a state array of fewer axes: used on its own
+        for names, group in by_layout.items() for name in names
     ])  # fmt: skip
 
 
@@ -97,7 +99,7 @@ class TierRestore:
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-            self.costs.learn_size(got[0].nbytes, got[0].token_count)
+            self._learn_size(got[0])
             self.tiers.moved_in(sum(b.nbytes for b in got))
             for block in got:
                 self.tiers.hot.put(block, keep=chain)

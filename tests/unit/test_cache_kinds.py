@@ -1,0 +1,275 @@
+"""The prefix cache for models whose layers are not all plain KV (sliding windows, recurrent and
+hybrid caches), at the cache level with real tiny mlx-lm models: prefill in chunks ending on
+block boundaries, snapshots there, store, restore, continue; hit == miss exactly (CPU float32)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from omlx.cache.block_hash import model_fingerprint
+from omlx.cache.cache_kinds import flatten, model_kinds
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.prefix_cache import PrefixCache
+from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.store import CacheStore
+from tests.support.tiny_kinds import ARCHS, build_tiny_arch
+
+B = 16  # tokens per block
+# (architecture, sliding window): windows smaller and larger than a block
+CASES = [
+    ("gpt_oss", 8), ("gpt_oss", 40), ("gemma3_text", 8), ("gemma3_text", 40),
+    ("qwen3_next", 0), ("qwen3_5", 0), ("lfm2", 0), ("mamba2", 0), ("falcon_h1", 0),
+]  # fmt: skip
+MODELS: dict[tuple[str, int], Any] = {}
+
+
+@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-w{c[1]}" if c[1] else c[0])
+def model(request, tmp_path_factory) -> Any:
+    if request.param not in MODELS:
+        name, window = request.param
+        folder = build_tiny_arch(tmp_path_factory.mktemp(name) / name, ARCHS[name](window))
+        MODELS[request.param] = mlx_lm.load(str(folder))[0]
+    return MODELS[request.param]
+
+
+def prefix_cache(model: Any, store: CacheStore) -> PrefixCache:
+    kinds, why = model_kinds(model)
+    assert kinds is not None and kinds.stateful, why
+    fp = model_fingerprint("tiny", "weights", "float32", kinds.kv_format(), store.block_size)
+    return PrefixCache(store, fp, len(kinds.leaves), "tiny", kinds=kinds)
+
+
+def evaluate(cache: list[Any]) -> None:
+    mx.eval([a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)])
+
+
+def prefill(model: Any, pc: PrefixCache, cache: list[Any], tokens: list[int], start: int) -> dict[int, Any]:
+    """All but the last token from `start` on, in chunks ending on the cache's capture points;
+    the snapshots taken there and at the prefill's end."""
+    states = {}
+    points = pc.capture_points(len(tokens), start)
+    assert all(p % B == 0 and start < p < len(tokens) for p in points)
+    at = start
+    for end in [*points, len(tokens) - 1]:
+        if end > at:
+            model(mx.array([tokens[at:end]]), cache=cache)
+            evaluate(cache)
+            at = end
+            states[end] = pc.snapshot(cache)
+    return states
+
+
+def greedy(model: Any, pc: PrefixCache, cache: list[Any], last: int, n: int, at: int, states: dict) -> list[int]:
+    """`n` greedy tokens after `last` (the cache holds `at` tokens), snapshots where the
+    decode crosses a block boundary going into `states`."""
+    out = []
+    for _ in range(n):
+        logits = model(mx.array([[last]]), cache=cache)
+        at += 1
+        last = int(mx.argmax(logits[0, -1]).item())
+        out.append(last)
+        if at % B == 0:
+            states[at] = pc.snapshot(cache)
+    return out
+
+
+def miss(model: Any, pc: PrefixCache, tokens: list[int], n: int = 10) -> tuple[list[int], list[Any], dict]:
+    cache = make_prompt_cache(model)
+    states = prefill(model, pc, cache, tokens, 0)
+    out = greedy(model, pc, cache, tokens[-1], n, len(tokens) - 1, states)
+    states[len(tokens) - 1 + n] = pc.snapshot(cache)  # where the sequence ends: its tail's state
+    return out, cache, states
+
+
+def hit(model: Any, pc: PrefixCache, tokens: list[int], n: int = 10) -> tuple[list[int], int]:
+    restored, cached = pc.lookup(tokens)
+    assert restored is not None
+    prefill(model, pc, restored, tokens, cached)
+    return greedy(model, pc, restored, tokens[-1], n, len(tokens) - 1, {}), cached
+
+
+# `store` is handed the tokens the cache has seen (the prompt but its last token after a prefill,
+# prompt and answer but the answer's last after a decode): a model of recurrent layers alone
+# (mamba2) has no offset to cut a longer list at
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def test_restored_caches_are_the_model_s_own_classes(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    tokens = prompt(1, 3 * B + 5)
+    _, cache, states = miss(model, pc, tokens, n=0)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    restored, cached = pc.lookup(tokens)
+    assert cached == len(tokens) - 1  # three full blocks and the tail, stored at its end
+    assert [type(c) for c in restored] == [type(c) for c in make_prompt_cache(model)]
+    for c, kind in zip(flatten(restored), pc.kinds.leaves, strict=True):
+        if isinstance(c, RotatingKVCache):
+            assert c.max_size == kind.window and c.offset == cached and c.keys.shape[2] == min(kind.window, cached)
+        elif isinstance(c, KVCache):
+            assert c.offset == cached and c.keys.shape[2] == cached
+        else:
+            assert isinstance(c, ArraysCache) and all(a is not None for a in c.cache)
+
+
+def test_hit_equals_miss_for_the_same_prompt_and_a_longer_one(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    tokens = prompt(2, 4 * B + 7)
+    first, cache, states = miss(model, pc, tokens)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    again, cached = hit(model, pc, tokens)
+    assert again == first and cached == len(tokens) - 1
+    longer = tokens + prompt(3, B + 3)  # goes on from the stored tail: its state at its end is used
+    expected, _, _ = miss(model, pc, longer)
+    got, cached = hit(model, pc, longer)
+    assert got == expected and cached == len(tokens) - 1
+    other = tokens[: 4 * B + 3] + prompt(9, B)  # leaves the tail inside it: full blocks only
+    expected, _, _ = miss(model, pc, other)
+    got, cached = hit(model, pc, other)
+    assert got == expected and cached == 4 * B
+
+
+def test_a_multi_turn_conversation_hits_every_turn(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    history = prompt(4, 2 * B + 3)
+    for turn in range(3):
+        answer, cache, states = miss(model, pc, history, n=B + 2)  # crosses a block boundary
+        if turn:
+            got, cached = hit(model, pc, history, n=B + 2)
+            assert got == answer and cached == len(history) - 1 - 6  # all but the new message
+        pc.store((history + answer)[:-1], cache, final=True, boundary_states=states)
+        history = history + answer + prompt(10 + turn, 6)
+
+
+def test_restart_then_hit_equals_miss(model, tmp_path: Path) -> None:
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    tokens = prompt(5, 3 * B + 9)
+    expected, cache, states = miss(model, pc, tokens)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    while pc.tick(idle=True):
+        pass
+    assert ssd.flush(10) and ssd.stats()["writes"] == 4  # three full blocks and the tail
+    pc.close(timeout=1.0)
+    ssd.close()
+    ssd = SSDTier(tmp_path, 1 << 30)  # a new process over the same directory
+    assert ssd.wait_ready(10)
+    fresh = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    got, cached = hit(model, fresh, tokens)
+    assert got == expected and cached == len(tokens) - 1
+    fresh.close(timeout=1.0)
+    ssd.close()
+
+
+def test_two_prompts_sharing_a_system_prompt_share_its_blocks(model) -> None:
+    store = CacheStore(HotTier(1 << 30), None, B)
+    pc = prefix_cache(model, store)
+    system = prompt(6, 3 * B)
+    a, b = system + prompt(7, B + 4), system + prompt(8, 2 * B + 5)
+    _, cache, states = miss(model, pc, a)
+    pc.store(a[:-1], cache, final=False, boundary_states=states)
+    blocks = store.hot.stats()["blocks"]
+    expected, cache, states = miss(model, pc, b)
+    got, cached = hit(model, pc, b)
+    assert got == expected and cached == 3 * B  # the system prompt's blocks, from a's prefill
+    pc.store(b[:-1], cache, final=False, boundary_states=states)
+    assert store.hot.stats()["blocks"] == blocks + 3  # b's own two blocks and tail; none of the system's
+
+
+def test_a_snapshot_of_a_batch_row_is_that_sequence_s_own(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    solo = []
+    for seed in (11, 12):
+        cache = make_prompt_cache(model)
+        prefill(model, pc, cache, prompt(seed, 2 * B + 1), 0)
+        solo.append(cache)
+    batch = [type(a).merge([a, b]) for a, b in zip(*solo, strict=True)]
+    for row in (0, 1):
+        own, of_row = pc.snapshot(solo[row]), pc.snapshot(batch, row=row)
+        assert sorted(own) == sorted(of_row) and own
+        assert all(mx.array_equal(own[name], of_row[name]).item() for name in own)
+
+
+def test_a_first_ssd_restore_probed_on_part_of_its_run_still_equals_the_miss(model, tmp_path: Path) -> None:
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    tokens = prompt(13, 9 * B + 2)
+    expected, cache, states = miss(model, pc, tokens)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    while pc.tick(idle=True):
+        pass
+    assert ssd.flush(10)
+    pc.close(timeout=1.0)
+    ssd.close()
+    ssd = SSDTier(tmp_path, 1 << 30)
+    assert ssd.wait_ready(10)
+    fresh = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    fresh.observe_prefill(64, 0, 60.0)  # recomputing is known (and slow): the unmeasured SSD is probed first
+    assert fresh.costs.due_probe(fresh.ssd_rate)
+    got, cached = hit(model, fresh, tokens)
+    assert got == expected and cached == len(tokens) - 1
+    assert fresh.ssd_rate.value is not None and fresh.costs.state_bytes > 0  # timed, and the state told apart
+    fresh.close(timeout=1.0)
+    ssd.close()
+
+
+def test_kv_bytes_per_token_counts_the_kv_leaves_alone(model) -> None:
+    from omlx.cache.kv_layout import kv_bytes_per_token
+
+    kinds, _ = model_kinds(model)
+    kv_leaves = sum(k.kind == "kv" for k in kinds.leaves)
+    assert (kv_bytes_per_token(model) > 0) == (kv_leaves > 0)  # falcon_h1's are inside CacheLists
+    assert kv_bytes_per_token(model) % (kv_leaves or 1) == 0  # the same bytes per token per leaf here
+
+
+def test_blocks_pushed_out_to_ram_restore_equal_to_the_miss(model) -> None:
+    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
+    pc = prefix_cache(model, store)
+    tokens = prompt(14, 3 * B + 5)
+    expected, cache, states = miss(model, pc, tokens)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    assert pc.yield_memory(1 << 30) > 0 and store.hot.stats()["blocks"] == 0
+    assert store.warm.stats()["blocks"] == 4  # three full blocks and the tail, as host bytes
+    got, cached = hit(model, pc, tokens)
+    assert got == expected and cached == len(tokens) - 1
+
+
+def batch_generate(model: Any, entries: list[tuple[list[int], list[Any] | None, list[int]]], n: int) -> list[list[int]]:
+    """Greedy tokens through mlx-lm's `BatchGenerator`, each entry (tokens still to prefill,
+    restored cache or None, the tokens the cache holds) as one sequence of one batch."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=n)
+    uids = gen.insert(
+        [rest for rest, _, _ in entries], caches=[c for _, c, _ in entries], all_tokens=[held for _, _, held in entries]
+    )
+    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    while any(len(v) < n for v in out.values()):
+        for r in gen.next_generated():
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[uid] for uid in uids]
+
+
+def test_restored_caches_serve_batch_generator_mixed_with_a_miss(model) -> None:
+    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), None, B))
+    a, b = prompt(15, 3 * B + 6), prompt(16, 2 * B + 9)
+    alone = [batch_generate(model, [(p, None, [])], 8)[0] for p in (a, b)]
+    _, cache, states = miss(model, pc, a, n=0)
+    pc.store(a[:-1], cache, final=False, boundary_states=states)
+    restored, cached = pc.lookup(a)
+    assert cached == len(a) - 1
+    together = batch_generate(model, [(a[cached:], restored, a[:cached]), (b, None, [])], 8)
+    assert together == alone

@@ -1,0 +1,222 @@
+"""Cache kinds without a model run: detection from mlx-lm cache classes, the fingerprint, the
+block format version (3 for stateful blocks; 1 and 2 still read; others discarded), the
+factory's choice, the engine's capture points, and the restore model's state bytes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+from omlx.cache import ssd_format
+from omlx.cache.block import CacheBlock
+from omlx.cache.cache_kinds import cache_kinds, flatten, regroup
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.interface import NoCache
+from omlx.cache.prefix_cache import PrefixCache, make_prefix_cache
+from omlx.cache.restore_model import RestoreModel
+from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.store import CacheStore
+from tests.support.tiny_kinds import ARCHS, build_tiny_arch
+from tests.support.tiny_model import build_tiny_llama
+
+FP = "a" * 64
+
+
+def test_kinds_are_read_per_layer_with_windows_and_cache_list_parts() -> None:
+    cache = [RotatingKVCache(max_size=128), KVCache(), CacheList(ArraysCache(size=2), KVCache()), ArraysCache(size=1)]
+    kinds, why = cache_kinds(cache)
+    assert why == "" and kinds is not None
+    assert kinds.tags() == ["rotating:128:0", "kv", "arrays:2", "kv", "arrays:1"]
+    assert kinds.groups == (0, 0, 2, 0) and kinds.stateful and not kinds.plain_kv
+    rebuilt = regroup(kinds, flatten(cache))
+    assert [type(c) for c in rebuilt] == [type(c) for c in cache]
+    assert [type(c) for c in rebuilt[2].caches] == [ArraysCache, KVCache]
+
+
+def test_plain_kv_models_keep_their_fingerprint_field_and_windows_change_it() -> None:
+    plain, _ = cache_kinds([KVCache(), KVCache()])
+    assert plain is not None and plain.plain_kv and plain.kv_format() == "kv"  # their old blocks stay valid
+    small, _ = cache_kinds([RotatingKVCache(max_size=8), KVCache()])
+    large, _ = cache_kinds([RotatingKVCache(max_size=40), KVCache()])
+    assert small.kv_format() != large.kv_format() != "kv"
+
+
+@pytest.mark.parametrize("layer", [QuantizedKVCache(), ChunkedKVCache(64), CacheList(CacheList(KVCache()))])
+def test_cache_classes_blocks_cannot_hold_are_named(layer) -> None:
+    kinds, why = cache_kinds([KVCache(), layer])
+    assert kinds is None and type(layer.caches[0] if isinstance(layer, CacheList) else layer).__name__ in why
+
+
+def loaded(folder: Path, model) -> SimpleNamespace:
+    return SimpleNamespace(model=model, info=SimpleNamespace(id=folder.name, path=folder), compute_dtype="float32")
+
+
+def test_the_factory_caches_stateful_models_only_for_an_engine_that_captures_states(tmp_path: Path) -> None:
+    import mlx_lm
+
+    store = CacheStore(HotTier(1 << 30), None, 16)
+    folder = build_tiny_arch(tmp_path / "gpt", ARCHS["gpt_oss"](8))
+    model = mlx_lm.load(str(folder))[0]
+    assert isinstance(make_prefix_cache(store, loaded(folder, model)), NoCache)
+    cache = make_prefix_cache(store, loaded(folder, model), captures_states=True)
+    assert isinstance(cache, PrefixCache) and cache.kinds is not None
+    assert cache.capture_points(70, 0) == [16, 32, 48, 64] and cache.capture_points(70, 40) == [48, 64]
+    llama = build_tiny_llama(tmp_path / "llama", layers=2, hidden=64, heads=2, kv_heads=1)
+    plain = make_prefix_cache(store, loaded(llama, mlx_lm.load(str(llama))[0]))
+    assert isinstance(plain, PrefixCache) and plain.kinds is None  # unchanged for plain KV
+    assert plain.capture_points(70, 0) == [] and plain.snapshot([]) is None
+    assert NoCache().capture_points(70, 0) == [] and NoCache().snapshot([]) is None
+
+
+def stateful_block(i: int, tokens: int = 16) -> CacheBlock:
+    tensors = {
+        "0.keys": mx.full((1, 2, tokens, 8), float(i)),
+        "0.values": mx.full((1, 2, tokens, 8), float(i) + 0.5),
+        "1.arrays.0": mx.full((1, 3, 8), 2.0),
+        "1.arrays.1": mx.full((1, 2, 4, 4), 3.0),
+    }
+    key = hashlib.sha256(f"{FP}-{i}".encode()).hexdigest()
+    return CacheBlock(key, None, FP, tokens, ["kv", "arrays:2"], tensors)
+
+
+def header(path: Path) -> dict:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n])
+
+
+def test_stateful_blocks_are_format_3_and_come_back_with_their_kinds(tmp_path: Path) -> None:
+    block = stateful_block(0)
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
+    assert header(tier.path_for(block.key))["__metadata__"]["format_version"] == "3"
+    tier.close()
+    tier = SSDTier(tmp_path, 1 << 30)  # re-indexed at start: format 3 is readable
+    assert tier.wait_ready(10) and tier.contains(block.key, FP)
+    read = tier.get(block.key, FP)
+    assert read is not None and read.layer_types == ["kv", "arrays:2"]
+    assert all(mx.array_equal(read.tensors[n], t).item() for n, t in block.tensors.items())
+    tier.close()
+
+
+def test_a_build_that_knows_only_formats_1_and_2_discards_format_3(tmp_path: Path, monkeypatch) -> None:
+    block = stateful_block(1)
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
+    tier.close()
+    monkeypatch.setattr(ssd_format, "READABLE_FORMATS", ("1", "2"))
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10)
+    assert not tier.contains(block.key, FP) and tier.stats()["discarded"] == 1
+    tier.close()
+
+
+def test_an_unknown_format_version_is_discarded_never_served(tmp_path: Path, monkeypatch) -> None:
+    block = stateful_block(2)
+    monkeypatch.setattr(ssd_format, "STATEFUL_FORMAT_VERSION", "4")  # a later build's file
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
+    tier.close()
+    monkeypatch.undo()
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10)
+    assert tier.get(block.key, FP) is None and tier.stats()["discarded"] == 1
+    tier.close()
+
+
+def test_the_restore_model_counts_a_whole_state_per_block_restored() -> None:
+    model = RestoreModel()
+    model.block_size = 16
+    model.learn_size(16 * 100 + 5000, 16, state_bytes=5000)
+    assert model.bytes_per_token == 100 and model.state_bytes == 5000
+    assert model.restore_bytes(16) == 1600 + 5000 and model.restore_bytes(40) == 4000 + 3 * 5000
+    again = RestoreModel()
+    again.block_size = 16
+    again.load(model.state())
+    assert again.restore_bytes(40) == model.restore_bytes(40)
+    plain = RestoreModel()
+    plain.learn_size(1600, 16)
+    assert plain.restore_bytes(40) == 4000  # plain KV: bytes per token alone, as before
+
+
+def test_a_store_stops_at_the_first_block_without_its_state(tmp_path: Path) -> None:
+    kinds, _ = cache_kinds([KVCache(), ArraysCache(size=1)])
+    store = CacheStore(HotTier(1 << 30), None, 16)
+    pc = PrefixCache(store, FP, 2, "m", kinds=kinds)
+    kv = KVCache()
+    kv.state = (mx.zeros((1, 2, 50, 8)), mx.zeros((1, 2, 50, 8)), 50)
+    arrays = ArraysCache(size=1)
+    arrays.cache = [mx.ones((1, 3, 8))]
+    cache = [kv, arrays]
+    snap = pc.snapshot(cache)
+    pc.store(list(range(50)), cache, final=False, boundary_states={16: snap, 48: snap})  # none at 32
+    assert store.hot.stats()["blocks"] == 1  # block 3 and the tail would hang off a hole
+    pc.store(list(range(50)), cache, final=False, boundary_states={32: snap, 48: snap})
+    assert store.hot.stats()["blocks"] == 4  # blocks 2, 3 and the tail, at the cache's own length
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_each_tiny_architecture_loads_with_mlx_lm_and_generates(name: str, tmp_path: Path) -> None:
+    import mlx_lm
+
+    folder = build_tiny_arch(tmp_path / name, ARCHS[name]())
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 4 << 20  # a few MB at most
+    model, tokenizer = mlx_lm.load(str(folder))
+    kinds, _ = cache_kinds(model.make_cache())
+    assert kinds is not None and kinds.stateful  # a real mix of kinds, not all KV
+    ids = [t for r in mlx_lm.stream_generate(model, tokenizer, "The quick brown fox", max_tokens=8) for t in [r.token]]
+    assert len(ids) == 8 and len(set(ids)) > 1  # greedy output that varies
+
+
+def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
+    model = RestoreModel()
+    model.block_size = 16
+    model.learn_size(5000, 16, state_bytes=5000)  # mamba2: no KV at all
+    model.learn_size(9999, 3, state_bytes=9999)  # learned once, from the first block seen
+    assert model.bytes_per_token == 0 and model.restore_bytes(32) == 10000
+    for n in (100, 200, 400):
+        model.prefill.observe(n, 0, n * 0.01)
+    model.ssd_rate.observe(10000, 10.0)  # 1 kB/s: far slower than recomputing 32 tokens (0.32 s)
+    assert model.judge(32, 0, model.ssd_rate)[0] is False  # judged, not waved through as unmeasured
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+@pytest.mark.parametrize("steps", [[5], [12], [5, 1, 1, 1, 1, 1, 1, 1], [12, 1, 1, 7, 1]])
+def test_a_window_restored_in_order_goes_on_as_the_original(keep: int, steps: list[int]) -> None:
+    from omlx.cache.layer_states import window_in_order
+
+    kinds, _ = cache_kinds([RotatingKVCache(max_size=8, keep=keep)])
+    original = RotatingKVCache(max_size=8, keep=keep)
+    key = iter(mx.random.split(mx.random.key(keep), 64))
+
+    def feed(c: RotatingKVCache, n: int, k: mx.array) -> tuple[mx.array, mx.array]:
+        x = mx.random.normal((1, 2, n, 4), key=k)
+        return c.update_and_fetch(x, x + 1)
+
+    for n in steps:
+        feed(original, n, next(key))
+    keys, values = window_in_order(original)
+    assert keys.shape[2] == min(8, sum(steps))
+    block = CacheBlock("k" * 64, None, FP, sum(steps), kinds.tags(), {"0.window.keys": keys, "0.window.values": values})
+    from omlx.cache.layer_states import restore
+
+    (restored,) = restore(kinds, [(block, sum(steps))])
+    for n in (1, 1, 6, 1, 9, 1):  # decode steps and chunks: what each attends to stays the same
+        k = next(key)
+        feed(original, n, k), feed(restored, n, k)
+        assert mx.array_equal(window_in_order(original)[0], window_in_order(restored)[0]).item()
+        assert restored.offset == original.offset
