@@ -249,11 +249,16 @@ def part_b(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
     trace = new_trace(model, args)
     ours, peer = start_pair(model)
     servers = {"ours": ours, "peer": peer}
+    if args.no_cache_peer:  # oMLX recomputing every prompt: what the cache saves, on this model
+        servers["nocache"] = Server("omlx", model, ["--no-cache"], label="oMLX --no-cache")
+        log("starting oMLX --no-cache")
+        servers["nocache"].start()
+        warm_up(servers["nocache"], model)
     try:
         for t in range(1, args.turns + 1):
             trace.turn(t, servers)
     finally:
-        stop_all(ours, peer)
+        stop_all(*servers.values())
     print_turns(
         f"(b) agent trace, {args.sessions} sessions x {args.turns} turns, per turn", trace, servers
     )
@@ -270,6 +275,9 @@ def part_b(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
             "mlx_lm.server",
         )
     ]
+    if "nocache" in servers:
+        n = trace.all_results("nocache")
+        rows.append(Row("mean TTFT, all turns", mean(r.ttft for r in o), mean(r.ttft for r in n), "s", False, None, "oMLX --no-cache"))
     print_table(
         f"(b) agent trace: {args.sessions} sessions x {args.turns} turns, round-robin", rows
     )
@@ -449,6 +457,9 @@ def main() -> None:
         default=120,
         help="(d) seconds it may spend waiting for other processes to go idle and re-measuring "
         "noisy rounds (default 120; 0 = measure as-is)",
+    )
+    ap.add_argument(
+        "--no-cache-peer", action="store_true", help="(b) also run oMLX --no-cache through the trace"
     )
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
