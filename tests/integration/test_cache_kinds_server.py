@@ -130,6 +130,27 @@ def test_a_batch_mixing_hits_and_misses_answers_each_as_alone(cached, uncached) 
     assert all(got["cached"] > 0 for got in together[::2])
 
 
+def test_an_answer_s_blocks_serve_the_next_turn_whether_it_ran_alone_or_in_a_batch(cached, uncached) -> None:
+    """The blocks a decode crossed are stored with their states (solo path and batch rows):
+    Falcon-H1's tiny answers re-render to the same tokens, so the next turn restores into them."""
+    model = "falcon-h1"
+
+    def two_turns(k: int) -> tuple[dict, dict]:
+        messages = turn(f"answers {k}")
+        first = chat(cached, model, messages)
+        messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "more"}]
+        second = chat(cached, model, messages)
+        assert second["text"] == chat(uncached, model, messages)["text"]
+        return first, second
+
+    alone = two_turns(0)
+    with ThreadPoolExecutor(3) as pool:
+        batch = list(pool.map(two_turns, [1, 2, 3]))
+    for first, second in [alone, *batch]:
+        answered = first["prompt"] + 2 * BLOCK - 1  # what its cache held at the end
+        assert second["cached"] >= answered // BLOCK * BLOCK > first["prompt"], (first, second)
+
+
 def test_a_restart_serves_from_the_ssd_as_the_miss(cached, uncached, models, cached_home) -> None:
     prompts = {m: turn(f"before the restart {m}") for m in KINDS}
     for m, messages in prompts.items():
