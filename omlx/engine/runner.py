@@ -139,6 +139,7 @@ class Runner(RunnerStores):
         for pr in prompt_responses:
             state = self._live(pr.uid)
             if pr.end_of_prompt and state is not None:
+                self._capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
                 if single:  # timed alone: not stretched by others' decode steps
                     self.observe_prefill(state)
                 if self.wants_prompt_blocks(state):

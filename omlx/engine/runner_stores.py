@@ -89,12 +89,15 @@ class RunnerStores:
             return None
         if r.finish_reason is not None:
             return captures.with_end(r.prompt_cache, len(r.all_tokens))
-        length = state.prompt_len + state.completion_tokens + 1  # this token is in the cache now
-        if length % self.cache.block_size == 0:
+        self._capture_row(state, state.prompt_len + state.completion_tokens + 1)  # this token is in now
+        return None
+
+    def _capture_row(self, state: RequestState, length: int) -> None:
+        """A stateful batch row's state, taken when it holds `length` tokens, a block multiple."""
+        if state.captures is not None and length % self.cache.block_size == 0:
             found = self.bg.extract_cache([state.uid]).get(state.uid)
             if found is not None:
-                captures.take(found[0], length)
-        return None
+                state.captures.take(found[0], length)
 
     def wants_prompt_blocks(self, state: RequestState) -> bool:
         """Whether a just-prefilled prompt is worth storing now: new full blocks, or for a
