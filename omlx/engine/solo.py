@@ -10,7 +10,9 @@ feed (docs/design/solo-path.md). The engine also prefills newcomers to a busy ba
 With a `quantum`, every chunk's attention shape comes from a small grid that repeats, so
 MLX's CUDA backend reuses the cuDNN graphs it built per shape: chunks start at a multiple of
 it (`align_cached`) and the last one is padded up to one, its padding trimmed from the cache
-after (docs/design/prefill-grid.md).
+after (docs/design/prefill-grid.md). A model with windows or recurrent layers is never padded; its
+chunks also end on the prefix cache's capture points, where its layers' state is captured
+(`Captures`, docs/design/cache-kinds.md).
 """
 
 from __future__ import annotations
