@@ -5,6 +5,7 @@ turns, shared system prompts and a restart (docs/design/cache-kinds.md)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -177,6 +178,37 @@ def test_a_restart_serves_from_the_ssd_as_the_miss(cached, uncached, models, cac
             assert got["text"] == chat(uncached, m, messages)["text"], m
     finally:
         restarted.stop()
+
+
+def test_a_sequence_paused_for_memory_goes_on_from_its_stored_states(models, uncached, tmp_path) -> None:
+    """Two long answers outgrow `--max-kv-memory` (gpt-oss: 512 bytes a token of its full layers,
+    1 MiB holds 2,048 tokens): the newest pauses, its cache and states go to the prefix cache, and
+    it goes on from there as it would alone."""
+    server = serve(tmp_path / "home", models, "--cache-block-size", str(BLOCK), "--max-kv-memory", "1MiB")
+    model = "gpt-oss-w8"
+
+    def complete(target: ServerProcess, prompt: list[int]) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1000, "temperature": 0, "logit_bias": NO_EOS}
+        r = httpx.post(target.base_url + "/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def paused() -> int:
+        found = httpx.get(server.base_url + "/api/status", timeout=10).json()["models"]
+        return next((m.get("paused_for_memory", 0) for m in found if m["id"] == model), 0)
+
+    try:
+        prompts = [[3 + (i * 31 + seed * 977) % 400 for i in range(400)] for seed in (5, 6)]
+        alone = [complete(uncached, p) for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(complete, server, prompts[0])
+            time.sleep(0.3)
+            second = pool.submit(complete, server, prompts[1])
+            together = [first.result(), second.result()]
+        assert paused() > 0, "nothing was paused: the test did not outgrow memory"
+        assert together == alone
+    finally:
+        server.stop()
 
 
 def test_the_default_block_size_serves_every_kind(models, uncached, tmp_path) -> None:
