@@ -74,8 +74,10 @@ class RequestState:
         return self.request.request_id
 
     def release(self) -> None:
-        """Drop what only its computation needs (its solo cache, sampler and processors)."""
+        """Drop what only its computation needs (its solo cache, layer-state snapshots, sampler
+        and processors)."""
         self.solo = None
+        self.captures = None
         self.sampler = None
         self.processors = []
         self.stop_sequences = None
