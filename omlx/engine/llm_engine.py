@@ -24,6 +24,7 @@ from omlx.engine.bridge import Bridge
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE, DeviceLostError
 from omlx.engine.kv_budget import KvBudget
+from omlx.engine.layer_captures import captures_states
 from omlx.engine.output import Output
 from omlx.engine.prompt_logprobs import token_logprob
 from omlx.engine.request import GenerationEvent, GenerationRequest
@@ -211,7 +212,9 @@ class LLMEngine:
             self.model_vocab_size = getattr(args, "vocab_size", None) or len(loaded.tokenizer)
             if self._prefix_cache_factory is not None:
                 self.prefix_cache = self._prefix_cache_factory(loaded)
-                self.prefill_quantum = self.prefix_cache.grid = self.config.prefill_grid(self.prefix_cache.block_size)
+                # a stateful model's restored prefix is never cut to a grid (cache-kinds.md)
+                grid = 0 if captures_states(self.prefix_cache) else self.config.prefill_grid(self.prefix_cache.block_size)
+                self.prefill_quantum = self.prefix_cache.grid = grid
             # One stream per engine, for everything it computes (steps, restores, stores,
             # scoring): mlx-lm's default `generation_stream` is shared by every BatchGenerator in
             # the process, and mixing streams within an engine made MLX's CUDA backend hang.
@@ -379,7 +382,7 @@ class LLMEngine:
         state = sched.leave_solo()
         if state.solo.prefilling:
             runner.leave_solo(state)
-            if self.config.own_prefill:
+            if self.config.own_prefill or runner.stateful:  # a stateful prompt's chunks end on its capture points
                 sched.prefill_first(state)
             else:
                 runner.join_batch(state)  # the rest of its prompt with it
@@ -408,8 +411,8 @@ class LLMEngine:
         """What an update leaves: sequences to stop, finished ones to store."""
         for state in result.dropped:
             self.runner.drop(state)
-        for tokens, cache in result.stores:
-            self.runner.stores.add(tokens, cache)
+        for tokens, cache, states in result.stores:
+            self.runner.stores.add(tokens, cache, states)
 
     def _pause_if_outgrown(self) -> None:
         """When the decoding sequences have outgrown the room, the newest is paused: its cache

@@ -61,6 +61,7 @@ class RequestState:
     processors: list[Any] = field(default_factory=list)
     stop_sequences: Any = None
     solo: Any = None  # its SoloSequence while it runs outside the BatchGenerator
+    captures: Any = None  # a stateful model's layer-state snapshots (`Captures`), for its stores
     store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
     first_token: float | None = None
     completion_tokens: int = 0
@@ -73,8 +74,10 @@ class RequestState:
         return self.request.request_id
 
     def release(self) -> None:
-        """Drop what only its computation needs (its solo cache, sampler and processors)."""
+        """Drop what only its computation needs (its solo cache, layer-state snapshots, sampler
+        and processors)."""
         self.solo = None
+        self.captures = None
         self.sampler = None
         self.processors = []
         self.stop_sequences = None
@@ -91,7 +94,8 @@ class RequestState:
 @dataclass
 class TokenOut:
     """One token the runner produced for `state` (`logprobs`: the runner's array, read only
-    when the request asks for logprobs; `prompt_cache`/`all_tokens` on a finish, to store)."""
+    when the request asks for logprobs; `prompt_cache`/`all_tokens`/`boundary_states` on a
+    finish, to store)."""
 
     state: RequestState
     token: int
@@ -99,6 +103,7 @@ class TokenOut:
     finish_reason: str | None = None
     prompt_cache: Any = None
     all_tokens: Any = None
+    boundary_states: Any = None
 
 
 @dataclass
@@ -126,10 +131,11 @@ class StepOut:
 @dataclass
 class Update:
     """What `Scheduler.update` leaves to do: sequences to stop computing (a stop string ended
-    them), finished sequences' (tokens, cache) to store, and batch prompts to store now."""
+    them), finished sequences' (tokens, cache, boundary states) to store, and batch prompts to
+    store now."""
 
     dropped: list[RequestState] = field(default_factory=list)
-    stores: list[tuple[list[int], Any]] = field(default_factory=list)
+    stores: list[tuple[list[int], Any, Any]] = field(default_factory=list)
     prompt_stores: list[RequestState] = field(default_factory=list)
 
 

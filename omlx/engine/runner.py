@@ -22,10 +22,12 @@ from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.kv_budget import KvBudget
+from omlx.engine.layer_captures import Captures, captures_states
 from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent
 from omlx.engine.request_state import RequestState, Status, StepOut, StepPlan, TokenOut
+from omlx.engine.runner_stores import RunnerStores
 from omlx.engine.sampling import (
     Guarded,
     build_logits_processors,
@@ -40,6 +42,7 @@ from omlx.engine.solo import (
     align_cached,
     feed_chunks_together,
     onto_built_shapes,
+    plain_kv,
     sdpa_graph_capacity,
 )
 from omlx.engine.stop_strings import StopStringMatcher
@@ -48,7 +51,7 @@ from omlx.engine.store_queue import StoreQueue
 log = logging.getLogger("omlx.engine")
 
 
-class Runner:
+class Runner(RunnerStores):
     """Runs what the scheduler planned for one loaded model (engine thread only)."""
 
     def __init__(
@@ -68,6 +71,9 @@ class Runner:
         self.context_length = loaded.context_length
         self.config, self.cache, self.budget = config, cache, budget
         self.quantum = quantum  # the prefill grid (`EngineConfig.prefill_grid`)
+        # windows / recurrent layers: the engine prefills every prompt itself, in chunks ending
+        # on the cache's capture points, and snapshots their state (docs/design/cache-kinds.md)
+        self.stateful = captures_states(cache)
         self.eos_ids = eos_ids
         self.model_id = model_id
         self.stream = stream  # the engine's one MLX stream
@@ -133,16 +139,18 @@ class Runner:
         for pr in prompt_responses:
             state = self._live(pr.uid)
             if pr.end_of_prompt and state is not None:
+                self._capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
                 if single:  # timed alone: not stretched by others' decode steps
                     self.observe_prefill(state)
-                if self.cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens):
+                if self.wants_prompt_blocks(state):
                     ended.append(state)
         outs = []
         for r in generation_responses:
             state = self._live(r.uid)
             if state is None:
                 continue
-            outs.append(TokenOut(state, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens))
+            states = self._capture_in_batch(state, r)
+            outs.append(TokenOut(state, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens, states))
             if r.finish_reason is not None:
                 del self.batch[r.uid]
         return ended, outs
@@ -163,7 +171,8 @@ class Runner:
         self.batch.pop(state.uid, None)
         if found is not None:
             tokens = list(found[1])
-            self.stores.add_pending(tokens, found[0], self.store(tokens, found[0], final=True))
+            states = state.captures.with_end(found[0], len(tokens)) if state.captures is not None else None
+            self.stores.add_pending(tokens, found[0], self.store(tokens, found[0], final=True, boundary_states=states), states)
             self.cache.yield_memory((state.prompt_len + state.completion_tokens) * self.budget.bytes_per_token)
 
     def sampling_faults(self, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:
@@ -245,7 +254,7 @@ class Runner:
             state.prefetched = None
         looked = time.perf_counter()
         cache, cached = align_cached(*self.cache.lookup(tokens), self.quantum)
-        own = alone or (self.config.own_prefill and len(tokens) - cached > 1)
+        own = alone or ((self.config.own_prefill or self.stateful) and len(tokens) - cached > 1)
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
         shaped = time.perf_counter()
         if own:
@@ -265,6 +274,7 @@ class Runner:
             state.solo = SoloSequence(
                 self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
                 logits_processors=state.processors, prefill_step_size=step, quantum=self.quantum, shapes=self.shapes,
+                captures=state.captures,
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
         else:
@@ -289,6 +299,7 @@ class Runner:
         state.sampler = build_sampler(req.sampling)
         state.processors = build_logits_processors(req.sampling)
         state.stop_sequences = stop_seqs
+        state.captures = Captures(self.cache, state.prompt_len, cached) if self.stateful else None
 
     def _resume(self, state: RequestState) -> None:
         """Insert a paused sequence again: its prompt and the tokens it generated, as far as
@@ -296,9 +307,11 @@ class Runner:
         tokens = state.request.prompt_tokens + state.generated
         cache, cached = self.cache.lookup(tokens)
         cached = min(cached, len(tokens) - 1)
-        if cache is not None and cached < cache[0].offset:
+        if cache is not None and plain_kv(cache) and cached < cache[0].offset:  # a stateful one is never trimmed
             for c in cache:
                 c.trim(c.offset - cached)
+        if self.stateful:  # the rest goes through the BatchGenerator: only decode's boundaries are captured
+            state.captures = Captures(self.cache, len(tokens), len(tokens))
         left = state.request.max_tokens - state.completion_tokens
         self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
 
@@ -317,7 +330,7 @@ class Runner:
                 )
                 return None
             self.observe_prefill(state)
-            state.store_prompt = self.cache.wants_prompt_blocks(state.prompt_len, state.cached_tokens)
+            state.store_prompt = self.wants_prompt_blocks(state)
         # launch the next step unless this token is the last one allowed
         return self.solo_token(state, launch=state.completion_tokens + 1 < state.request.max_tokens)
 
@@ -331,10 +344,10 @@ class Runner:
             reason = "stop"
         elif state.completion_tokens + 1 >= req.max_tokens:
             reason = "length"
-        done = reason is not None
-        return TokenOut(
-            state, token, logprobs, reason, prompt_cache=solo.cache if done else None, all_tokens=solo.fed if done else None
-        )
+        if reason is None:
+            return TokenOut(state, token, logprobs)
+        states = state.captures.with_end(solo.cache, len(solo.fed)) if state.captures is not None else None
+        return TokenOut(state, token, logprobs, reason, prompt_cache=solo.cache, all_tokens=solo.fed, boundary_states=states)
 
     def leave_solo(self, state: RequestState) -> None:
         """A solo prefill is no longer alone: others' steps wait on its chunks."""
@@ -374,55 +387,6 @@ class Runner:
                 state.id, computed, state.cached_tokens, seconds, len(chunks), sum(chunks),
                 max(range(len(chunks)), key=chunks.__getitem__), max(chunks), seconds - sum(chunks),
             )  # fmt: skip
-
-    # ----- stores --------------------------------------------------------------------
-    def store(self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0) -> int:
-        """Store blocks in the prefix cache; where blocks left for a later call begin (0:
-        none). Caching is an optimisation: its failure is logged, never fails the request."""
-        try:
-            return self.cache.store(tokens, cache, final=final, start=start) or 0
-        except Exception:
-            log.exception("storing prefix-cache blocks for %s failed", self.model_id)
-            return 0
-
-    def cache_tick(self, idle: bool, *, quiet: bool) -> bool:
-        """The prefix cache's background work for this loop (`PrefixCacheInterface.tick`); True
-        while more waits. Caching is an optimisation: a failure is logged, never fails a request."""
-        try:
-            return self.cache.tick(idle, quiet=quiet)
-        except Exception:
-            log.exception("the prefix cache's background work for %s failed", self.model_id)
-            return False
-
-    def store_batch_prompt(self, state: RequestState) -> None:
-        cache_and_tokens = self.bg.extract_cache([state.uid]).get(state.uid)
-        if cache_and_tokens is not None:
-            # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
-            # so the same prompt finds it again (also after a restart)
-            prompt = list(cache_and_tokens[1])[: state.prompt_len]
-            if len(prompt) == state.prompt_len or self.cache.wants_prompt_blocks(len(prompt), state.cached_tokens):
-                self.store(prompt, cache_and_tokens[0], final=False)
-
-    def store_solo_prompt(self, state: RequestState, now: bool = False) -> None:
-        """A solo prefill's prompt blocks, once its first token is out (or `now`)."""
-        if state.store_prompt and (now or state.first_token_out()):
-            state.store_prompt = False
-            self.store(state.solo.fed[: state.prompt_len], state.solo.cache, final=False)
-
-    def store_computed_prompt(self, state: RequestState, due: bool) -> None:
-        """A request cancelled keeps what its prompt computed: a prompt store waiting for the
-        first token (`due`) is made now, and a prefill cut short stores the blocks fed so far,
-        so a client that retries continues where it left (before the sequence's cache goes)."""
-        if state.solo is not None:
-            solo = state.solo
-            if solo.prefilling:
-                fed = solo.fed[: state.prompt_len]
-                if self.cache.wants_prompt_blocks(len(fed), state.cached_tokens):
-                    self.store(fed, solo.cache, final=False)
-            else:
-                self.store_solo_prompt(state, now=True)
-        elif due or state.first_token is None:
-            self.store_batch_prompt(state)
 
     # ----- warm-ups and buffers ------------------------------------------------------
     def warm_up(self, solo: bool) -> None:

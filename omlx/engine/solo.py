@@ -10,14 +10,16 @@ feed (docs/design/solo-path.md). The engine also prefills newcomers to a busy ba
 With a `quantum`, every chunk's attention shape comes from a small grid that repeats, so
 MLX's CUDA backend reuses the cuDNN graphs it built per shape: chunks start at a multiple of
 it (`align_cached`) and the last one is padded up to one, its padding trimmed from the cache
-after (docs/design/prefill-grid.md).
+after (docs/design/prefill-grid.md). A model with windows or recurrent layers is never padded; its
+chunks also end on the prefix cache's capture points, where its layers' state is captured
+(`Captures`, docs/design/cache-kinds.md).
 """
 
 from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -25,6 +27,7 @@ from mlx_lm.models.cache import KVCache, TokenBuffer, make_prompt_cache
 from mlx_lm.sample_utils import greedy_sampler
 
 from omlx.engine.buffers import trim_buffer_cache
+from omlx.engine.layer_captures import Captures
 
 Sampler = Callable[[mx.array], mx.array]
 # the most a batched chunk copies of its members' cached keys and values (`feed_chunks_together`)
@@ -85,9 +88,12 @@ class PrefillShapes:
         return shape in self._seen
 
 
-def _chunk_len(depth: int, todo: int, step: int) -> int:
-    """Tokens of the next chunk with `depth` cached and `todo` to feed (never the last one)."""
-    return min(step - depth % step, todo - 1) if todo > 1 else 0
+def _chunk_len(depth: int, todo: int, step: int, stops: Sequence[int] = ()) -> int:
+    """Tokens of the next chunk with `depth` cached and `todo` to feed (never the last one),
+    ending at the first of `stops` (token indices) after `depth`, if any comes first."""
+    n = min(step - depth % step, todo - 1) if todo > 1 else 0
+    stop = next((p for p in stops if p > depth), None)
+    return min(n, stop - depth) if stop is not None else n
 
 
 def _padding(n: int, depth: int, quantum: int) -> int:
@@ -145,6 +151,7 @@ class SoloSequence:
         prefill_step_size: int,
         quantum: int = 0,
         shapes: PrefillShapes | None = None,
+        captures: Captures | None = None,
     ):
         if not prompt:
             raise ValueError("a solo sequence needs at least one prompt token to feed")
@@ -159,6 +166,7 @@ class SoloSequence:
         # see the module's docstring; chunks end on multiples of the step, so it must be one too
         self.quantum = quantum if quantum and prefill_step_size % quantum == 0 and plain_kv(self.cache) else 0
         self.shapes = shapes  # where the chunks fed are recorded, if anywhere
+        self.captures = captures  # a stateful model's layer states, taken at block boundaries
         # The sampled token (and its logprobs) that has not been returned yet: set once the
         # prompt is fed; after that, always one forward pass ahead of what was returned.
         self.pending: tuple[mx.array, mx.array] | None = None
@@ -182,6 +190,8 @@ class SoloSequence:
                 c.trim(pad)
             mx.async_eval([c.state for c in self.cache])
             self._advance(chunk)
+            if self.captures is not None and (len(self.todo) == 1 or len(self.fed) in self.captures.points):
+                self.captures.take(self.cache, len(self.fed))
         return len(self.todo) <= 1
 
     def padding(self, n: int) -> int:
@@ -191,7 +201,8 @@ class SoloSequence:
 
     def chunk_len(self) -> int:
         """Prompt tokens the next `feed_chunk` feeds (0: only the last one is left)."""
-        return _chunk_len(len(self.fed), len(self.todo), self.step_size)
+        stops = self.captures.points if self.captures is not None else ()
+        return _chunk_len(len(self.fed), len(self.todo), self.step_size, stops)
 
     def _advance(self, chunk: list[int]) -> None:
         """`chunk`, now in the cache, moves from the prompt to the fed tokens."""
@@ -217,6 +228,7 @@ class SoloSequence:
         self.pending = self._forward(mx.array(last))
         mx.async_eval(*self.pending)
         self.fed += last
+        self._crossed()
         return True
 
     def next(self, *, launch: bool) -> tuple[int, mx.array]:
@@ -232,7 +244,13 @@ class SoloSequence:
         value = token.item()
         if launch:
             self.fed.append(value)
+            self._crossed()
         return value, logprobs
+
+    def _crossed(self) -> None:
+        """A forward pass just made the cache's length a block multiple: capture its state."""
+        if self.captures is not None:
+            self.captures.at_boundary(self.cache, len(self.fed))
 
     def handoff(self, unfed: int | None = None) -> tuple[list[int], list[Any], list[int]]:
         """(tokens still to feed, cache, tokens in the cache) for `BatchGenerator.insert`: the

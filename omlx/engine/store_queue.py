@@ -20,7 +20,8 @@ log = logging.getLogger("omlx.engine")
 # oldest is stored at once.
 MAX_PENDING_STORES = 2
 
-# store(tokens, cache, final=..., start=...) -> where the blocks left for later begin (0: none)
+# store(tokens, cache, final=..., start=..., boundary_states=...) -> where the blocks left for
+# later begin (0: none)
 Store = Callable[..., int]
 
 
@@ -29,45 +30,46 @@ class StoreQueue:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.finished: list[tuple[list[int], Any]] = []  # stored after this step's events
-        self.pending: deque[tuple[list[int], Any, int]] = deque()  # (tokens, cache, from)
+        self.finished: list[tuple[list[int], Any, Any]] = []  # stored after this step's events
+        self.pending: deque[tuple[list[int], Any, int, Any]] = deque()  # (tokens, cache, from, states)
 
-    def add(self, tokens: list[int], cache: Any) -> None:
-        """A finished sequence's blocks, stored by the next `store_finished`."""
-        self.finished.append((tokens, cache))
+    def add(self, tokens: list[int], cache: Any, states: Any = None) -> None:
+        """A finished sequence's blocks (`states`: its layers' boundary states, if stateful),
+        stored by the next `store_finished`."""
+        self.finished.append((tokens, cache, states))
 
-    def add_pending(self, tokens: list[int], cache: Any, start: int) -> None:
+    def add_pending(self, tokens: list[int], cache: Any, start: int, states: Any = None) -> None:
         """What a store left from `start` on (0: nothing)."""
         if start:
-            self.pending.append((tokens, cache, start))
+            self.pending.append((tokens, cache, start, states))
 
     def store_finished(self) -> None:
         """Store the finished sequences' blocks; what is left waits for idle loops."""
         done, self.finished = self.finished, []
-        for tokens, cache in done:
-            self.add_pending(tokens, cache, self.store(tokens, cache, final=True))
+        for tokens, cache, states in done:
+            self.add_pending(tokens, cache, self.store(tokens, cache, final=True, boundary_states=states), states)
         while len(self.pending) > MAX_PENDING_STORES:  # each holds a whole KV cache
             self.finish_pending(0)
 
     def continue_store(self) -> bool:
         """The next piece of the oldest pending store; True while any remain."""
-        tokens, cache, start = self.pending.popleft()
-        start = self.store(tokens, cache, final=True, start=start)
+        tokens, cache, start, states = self.pending.popleft()
+        start = self.store(tokens, cache, final=True, start=start, boundary_states=states)
         if start:
-            self.pending.appendleft((tokens, cache, start))
+            self.pending.appendleft((tokens, cache, start, states))
         return bool(self.pending)
 
     def finish_pending(self, index: int) -> None:
-        tokens, cache, start = self.pending[index]
+        tokens, cache, start, states = self.pending[index]
         del self.pending[index]
         while start:
-            start = self.store(tokens, cache, final=True, start=start)
+            start = self.store(tokens, cache, final=True, start=start, boundary_states=states)
 
     def finish_for(self, prompt: list[int]) -> None:
         """A prompt that goes on past where a pending store stopped (the next turn of that
         conversation) would find only its first pieces: that store is finished first."""
         for i in reversed(range(len(self.pending))):
-            tokens, _, start = self.pending[i]
+            tokens, _, start, _ = self.pending[i]
             if len(prompt) > start and prompt[: start + 1] == tokens[: start + 1]:
                 self.finish_pending(i)
 

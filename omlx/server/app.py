@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -58,7 +59,7 @@ def llm_factory(
             max_concurrent=settings.max_concurrent_requests,
             max_waiting=settings.max_waiting_requests,
             prefill_step_size=settings.prefill_step_size,
-            prefix_cache_factory=None if store is None else (lambda loaded: make_prefix_cache(store, loaded)),
+            prefix_cache_factory=None if store is None else partial(make_prefix_cache, store, captures_states=True),
             on_finished=on_finished,
             graph_warmup_tokens=settings.graph_warmup_tokens,
             max_kv_memory=kv_memory,

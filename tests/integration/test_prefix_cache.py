@@ -19,6 +19,7 @@ import pytest
 
 from omlx.platform_info import discrete_gpu
 from tests.support.server import ServerProcess
+from tests.support.tiny_kinds import build_tiny_arch, llama4_config
 from tests.support.tiny_model import build_tiny_llama
 
 MODEL = "tiny-llama"
@@ -537,19 +538,18 @@ def test_full_disk_disables_ssd_writes_and_serving_continues(tiny_model_dir, tmp
         subprocess.run(["umount", str(cache_dir)], capture_output=True)
 
 
-def test_unsliceable_cache_model_is_served_uncached_with_reason_logged(tmp_path):
+def test_a_model_with_a_cache_kind_the_cache_does_not_serve_is_served_uncached_with_reason_logged(tmp_path):
+    """Sliding windows and recurrent layers are cached (test_cache_kinds_server.py); a kind the
+    cache has no rule for (Llama 4's `ChunkedKVCache`) is served uncached, the reason logged."""
     model_dir = tmp_path / "models"
-    build_tiny_llama(
-        model_dir / MODEL,
-        extra_config={"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 32},
-    )
+    build_tiny_arch(model_dir / MODEL, llama4_config())
     server = start(tmp_path / "home", model_dir)
     try:
-        a = ask(server, "hello sliding window")
-        b = ask(server, "hello sliding window")
+        a = ask(server, "hello chunked attention")
+        b = ask(server, "hello chunked attention")
         assert a["text"] == b["text"] and b["cached"] == 0
         assert "without the prefix cache" in server.log()
-        assert "RotatingKVCache" in server.log()
+        assert "ChunkedKVCache" in server.log()
     finally:
         server.stop()
 

@@ -126,3 +126,19 @@ def falcon_h1_config() -> dict:
 
 ARCHS["qwen3_5"] = lambda window=0: qwen3_5_config()
 ARCHS["falcon_h1"] = lambda window=0: falcon_h1_config()
+
+
+def llama4_config() -> dict:
+    """Llama 4 (text): chunked-attention layers (`ChunkedKVCache`, a kind the prefix cache does
+    not serve) to one global layer, a mixture of experts."""
+    return {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 16, "head_dim": 16,
+            "hidden_size": 64, "interleave_moe_layer_step": 2, "intermediate_size": 64,
+            "intermediate_size_mlp": 128, "max_position_embeddings": 4096, "num_attention_heads": 4,
+            "num_experts_per_tok": 1, "num_hidden_layers": 4, "num_key_value_heads": 2, "num_local_experts": 2,
+            "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 500000.0, "use_qk_norm": True,
+            "vocab_size": VOCAB,
+        },
+    }  # fmt: skip
