@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from omlx.platform_info import discrete_gpu
-from tests.integration.test_prefix_cache import _make_recompute_look_slow
+from tests.support.cache_costs import make_recompute_look_slow
 from tests.support.server import ServerProcess
 from tests.support.tiny_kinds import ARCHS, build_tiny_arch
 
@@ -169,7 +169,7 @@ def test_a_restart_serves_from_the_ssd_as_the_miss(cached, uncached, models, cac
     for m, messages in prompts.items():
         chat(cached, m, messages)
     cached.stop()
-    _make_recompute_look_slow(cached_home)  # a tiny model recomputes faster than the SSD restores
+    make_recompute_look_slow(cached_home)  # a tiny model recomputes faster than the SSD restores
     restarted = serve(cached_home, models, "--cache-block-size", str(BLOCK))
     try:
         for m, messages in prompts.items():

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from omlx.platform_info import discrete_gpu
+from tests.support.cache_costs import make_recompute_look_slow
 from tests.support.server import ServerProcess
 from tests.support.tiny_kinds import build_tiny_arch, llama4_config
 from tests.support.tiny_model import build_tiny_llama
@@ -150,7 +151,7 @@ def test_hit_equals_miss_and_restart_hit_equals_miss(tiny_model_dir, tmp_path, u
         assert s["hits"] >= 1 and s["hot"]["blocks"] > 0
     finally:
         server.stop()
-    _make_recompute_look_slow(home)  # so that a GPU restores rather than recomputes
+    make_recompute_look_slow(home)  # so that a GPU restores rather than recomputes
     server = start(home, tiny_model_dir)
     try:
         again = ask(server, "What is the capital of France?")
@@ -357,16 +358,6 @@ def _chain(home: Path) -> list[Path]:
     return chain
 
 
-def _make_recompute_look_slow(home: Path) -> None:
-    """Scale the saved prefill measurements by 1000, so that the next start restores every
-    block it can. On a GPU the tiny model recomputes faster than the SSD restores, and the
-    restore-or-recompute decision then rightly reads only a probe's worth of blocks."""
-    for f in (home / "cache" / "costs").glob("*.json"):
-        state = json.loads(f.read_text())
-        state["prefill"]["xt"] = [v * 1000 for v in state["prefill"]["xt"]]
-        f.write_text(json.dumps(state))
-
-
 def test_corrupt_and_truncated_block_files_are_discarded_never_served(tiny_model_dir, tmp_path):
     home = tmp_path / "home"
     server = start(home, tiny_model_dir)
@@ -383,7 +374,7 @@ def test_corrupt_and_truncated_block_files_are_discarded_never_served(tiny_model
     whole_size = chain[4].stat().st_size
     chain[2].write_bytes(bytes(data))
     chain[4].write_bytes(chain[4].read_bytes()[: len(data) // 3])
-    _make_recompute_look_slow(home)
+    make_recompute_look_slow(home)
     server = start(home, tiny_model_dir)
     try:
         again = ask(server, "integrity check please")
@@ -475,7 +466,7 @@ def test_sigkill_during_a_block_write_then_restart_loads_cleanly_and_serves_the_
     whole = list(cache.rglob("*.safetensors"))
     assert len(whole) >= written
 
-    _make_recompute_look_slow(home)  # so that a GPU restores rather than recomputes
+    make_recompute_look_slow(home)  # so that a GPU restores rather than recomputes
     offset = server.log_path.stat().st_size
     server = start(home, tiny_model_dir)
     try:
@@ -576,7 +567,6 @@ THINKING_TEMPLATE = (
 def test_template_that_drops_reasoning_keeps_hits_up_to_the_first_differing_token(tmp_path):
     """Thinking templates open `<think>` in the generation prompt but re-render earlier answers
     without it: the next turn diverges right there, and must still reuse everything before."""
-    import json
 
     model_dir = tmp_path / "models"
     path = build_tiny_llama(model_dir / MODEL)
