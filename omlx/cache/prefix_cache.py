@@ -140,7 +140,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         keys = self._prompt_keys(tokens)
         chain = frozenset(keys)  # what a lookup brings into the hot tier pushes out none of these
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
-        blocks = self._device_run(keys, limit)
+        blocks = self._device_run(keys, limit, chain)
         restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
         skipped = False  # a slower tier held more, and recomputing it was judged faster
         if warm is not None:
@@ -171,8 +171,9 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             self._charge_restores(caches, restored)
         return caches, sum(used for _, used in parts)
 
-    def _device_run(self, keys: list[str], limit: int) -> list[CacheBlock]:
-        """The blocks of `keys` from the root that device memory holds, within `limit` tokens."""
+    def _device_run(self, keys: list[str], limit: int, chain: frozenset[str]) -> list[CacheBlock]:
+        """The blocks of `keys` from the root that device memory holds, within `limit` tokens (one
+        taken back into the hot tier pushes out none of `chain`)."""
         blocks: list[CacheBlock] = []
         for i, key in enumerate(keys):
             if (i + 1) * self.B > limit:
@@ -182,7 +183,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
                 block = self._on_device(key)
                 if block is None:
                     break
-                self.tiers.hot.put(block, keep=frozenset(keys))
+                self.tiers.hot.put(block, keep=chain)
             blocks.append(block)
         return blocks
 
