@@ -46,6 +46,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+SERVER_ROOT = ROOT  # the checkout `omlx serve` runs from (`--server-root`)
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import httpx  # noqa: E402
@@ -239,6 +240,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.starts = 0
+        self.root = SERVER_ROOT  # the oMLX checkout it runs (`--server-root`)
 
     @property
     def url(self) -> str:
@@ -266,7 +268,7 @@ class Server:
         ]
         self._log = open(self.home / f"server-{self.starts}.log", "ab")
         self.proc = subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT
+            cmd, env=env, cwd=self.root, stdout=self._log, stderr=subprocess.STDOUT
         )
 
     def wait_ready(self, timeout: float = 600) -> float:
@@ -307,6 +309,12 @@ class Server:
 
     def cache_stats(self) -> dict[str, Any]:
         return httpx.get(f"{self.url}/api/cache/stats", timeout=10).json()
+
+    def step_times(self) -> dict[str, Any] | None:
+        """The engine's decode-time split so far (`step_times` of /v1/models/status; None from a
+        server without it, such as an earlier checkout's)."""
+        data = httpx.get(f"{self.url}/v1/models/status", timeout=10).json()["data"]
+        return next((m.get("step_times") for m in data if m["id"] == self.model), None)
 
     def wait_ssd_writes(self, timeout: float = 120) -> None:
         """Until the SSD writer's queue is empty and the block count stops moving."""
@@ -899,6 +907,10 @@ def main() -> None:
         help="Passed to omlx serve (default: its own).",
     )
     ap.add_argument("--server-args", default="", help="Extra flags for both servers.")
+    ap.add_argument(
+        "--server-root", default=None,
+        help="An oMLX checkout (e.g. an earlier commit's) whose `omlx serve` the servers run; default this one.",
+    )  # fmt: skip
     ap.add_argument("--request-timeout", type=float, default=180.0, help="Seconds before a request counts as hung.")
     ap.add_argument(
         "--py-spy", default=None, help="py-spy executable: profile the server during (a) and (b)."
@@ -908,8 +920,10 @@ def main() -> None:
     if args.raw_worker:
         raw_worker(args.raw_worker)
         return
-    global REQUEST_TIMEOUT
+    global REQUEST_TIMEOUT, SERVER_ROOT
     REQUEST_TIMEOUT = args.request_timeout
+    if args.server_root:
+        SERVER_ROOT = Path(args.server_root).resolve()
     faulthandler.dump_traceback_later(STUCK_AFTER)  # where a stuck run is stuck (`log` re-arms it)
     parts = set(args.parts.split(","))
     work = args.work_dir
@@ -1103,6 +1117,38 @@ def main() -> None:
     print_table(results)
 
 
+SPLIT = ("graph_build", "launch", "device_wait", "host", "engine_cpu", "event_loop_cpu")
+
+
+def step_split(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float] | None:
+    """Milliseconds per engine step (decode-only loops) of each part between two `step_times`,
+    and tokens per step; None where the server does not report them."""
+    if not before or not after or after["loops"] <= before["loops"]:
+        return None
+    loops = after["loops"] - before["loops"]
+    split = {"tokens_per_step": (after["tokens"] - before["tokens"]) / loops}
+    for part in SPLIT:
+        a, b = after.get(f"{part}_s"), before.get(f"{part}_s")
+        if a is not None and b is not None:
+            split[f"{part}_ms"] = 1000 * (a - b) / loops
+    return split
+
+
+def median_split(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Each part's median over the rounds that reported a split."""
+    splits = [x["split"] for x in rows if x.get("split")]
+    if not splits:
+        return None
+    return {key: statistics.median(s[key] for s in splits if key in s) for key in splits[0]}
+
+
+def split_line(split: dict[str, float] | None) -> str:
+    if not split:
+        return "no step split (the server does not report step_times)"
+    parts = ", ".join(f"{p.replace('_', ' ')} {split[f'{p}_ms']:.2f}" for p in SPLIT if f"{p}_ms" in split)
+    return f"ms per engine step ({split['tokens_per_step']:.1f} tokens each), medians: {parts}"
+
+
 def median_ratio(ours: list[float], raw: list[float]) -> dict[str, float]:
     """Medians, bests and the two ratios of a server's rounds against raw's."""
     m_ours, m_raw = statistics.median(ours), statistics.median(raw)
@@ -1129,8 +1175,10 @@ def part_a(
     for r in range(args.repeats):
         if r == args.repeats - 1:
             spy.start(srv.proc.pid, f"{args.shape}-a", 120)
+        before = srv.step_times()
         rec = one(srv.url, wl.chat_body(wl.text(tokenizer, args.prompt_tokens), n))
         spy.stop()
+        split = step_split(before, srv.step_times())
         settle(srv)
         ids = chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens))
         raw = raw_decode(model, tokenizer, ids, n, eos, with_procs=False)
@@ -1138,11 +1186,13 @@ def part_a(
         rows.append({"omlx_tps": ours, "raw_tps": raw["tps"], "omlx_tokens": rec["completion_tokens"],
                      "raw_tokens": raw["tokens"], "omlx_prompt_tokens": rec["prompt_tokens"],
                      "raw_prompt_tokens": len(ids), "omlx_text_chunks": len(rec["times"]),
-                     "omlx_ttft": rec["times"][0] - rec["sent"], "raw_ttft": raw["ttft"]})  # fmt: skip
+                     "omlx_ttft": rec["times"][0] - rec["sent"], "raw_ttft": raw["ttft"], "split": split})  # fmt: skip
         log(f"(a) round {r}: server {ours:.1f} tok/s ({rec['completion_tokens']} tokens), raw stream_generate "
             f"{raw['tps']:.1f} tok/s ({raw['tokens']}) -> {ours / raw['tps']:.3f}x")  # fmt: skip
     a: dict[str, Any] = {"rounds": rows, "decode_tokens": n, "prompt_tokens": args.prompt_tokens,
-                         **median_ratio([x["omlx_tps"] for x in rows], [x["raw_tps"] for x in rows])}  # fmt: skip
+                         **median_ratio([x["omlx_tps"] for x in rows], [x["raw_tps"] for x in rows]),
+                         "split": median_split(rows)}  # fmt: skip
+    log(f"(a) {split_line(a['split'])}")
     if args.references:
         prompt = chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens))
         a["raw_fresh_process_tps"] = raw_decode_fresh_process(model_path, prompt, n, eos)
@@ -1175,8 +1225,10 @@ def part_b(
         texts = [wl.text(tokenizer, args.prompt_tokens) for _ in range(k)]
         if r == args.stream_repeats - 1:
             spy.start(srv.proc.pid, f"{args.shape}-b", 120)
+        before = srv.step_times()
         ours = server_batch(pool, srv.url, [wl.chat_body(t, n) for t in texts], args.client_procs)
         spy.stop()
+        ours["split"] = step_split(before, srv.step_times())
         settle(srv)
         ids = [chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens)) for _ in range(k)]
         raw = raw_batch(model, ids, n, wl.eos, args.prefill_step_size or 512, with_procs=False)
@@ -1186,7 +1238,9 @@ def part_b(
             f"-> {ours['aggregate_tps'] / raw['aggregate_tps']:.3f}x")  # fmt: skip
     side = lambda who, key: [x[who][key] for x in rows]  # noqa: E731
     steady = median_ratio(side("omlx", "steady_tps"), side("raw", "steady_tps"))
-    return {"rounds": rows, "streams": k, "stream_tokens": n,
+    split = median_split([x["omlx"] for x in rows])
+    log(f"(b) {split_line(split)}")
+    return {"rounds": rows, "streams": k, "stream_tokens": n, "split": split,
             **median_ratio(side("omlx", "aggregate_tps"), side("raw", "aggregate_tps")),
             **{f"steady_{key}": v for key, v in steady.items()}}  # fmt: skip
 
@@ -1399,6 +1453,7 @@ def print_table(r: dict[str, Any]) -> None:
                   f"| {x['omlx_tps'] / x['raw_tps']:.3f}x")  # fmt: skip
         print(f"    medians: server {a['omlx_median']:.1f} | raw {a['raw_median']:.1f} | ratio {a['ratio']:.3f} "
               f"(goal >= 0.95); best {a['omlx_best']:.1f} / {a['raw_best']:.1f} = {a['best_ratio']:.3f}")  # fmt: skip
+        print(f"    {split_line(a.get('split'))}")
         if "engine_tps" in a:
             print(f"    references: raw in a fresh process {a['raw_fresh_process_tps']:.1f}, raw BatchGenerator "
                   f"{a['raw_batchgen_tps']:.1f}, LLMEngine in-process {a['engine_tps']:.1f} tok/s")  # fmt: skip
@@ -1413,6 +1468,7 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"    medians: server {b['omlx_median']:.0f} | raw {b['raw_median']:.0f} | ratio {b['ratio']:.3f} "
               f"(goal >= 0.9); steady {b['steady_omlx_median']:.0f} vs {b['steady_raw_median']:.0f} "
               f"({b['steady_ratio']:.3f}); best {b['omlx_best']:.0f} / {b['raw_best']:.0f} = {b['best_ratio']:.3f}")  # fmt: skip
+        print(f"    {split_line(b.get('split'))}")
     if "c" in r:
         for n, row in r["c"].get("rows", {}).items():
             print(

@@ -186,6 +186,11 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         return {"active": self.active_count, "waiting": self.waiting_count}
 
+    @property
+    def step_times(self) -> dict[str, Any] | None:
+        """Where decode steps spent their time so far (`StepClock.snapshot`; from the event loop)."""
+        return self.runner.clock.snapshot() if self.runner is not None else None
+
     def stop_generating(self, reason: str) -> None:
         """From any thread: fail every request held or arriving from now on with `reason`
         (the server is going down; their clients get an answer, not a cut connection)."""
@@ -251,6 +256,7 @@ class LLMEngine:
             self._close_prefix_cache(timeout=0.0)  # it may have been made before the failure
             return
         runner = self.runner
+        runner.clock.engine_tid = threading.get_native_id()
         try:
             with mx.stream(self._stream):
                 try:
@@ -286,6 +292,8 @@ class LLMEngine:
     def _loop_once(self, unwritten: bool) -> bool:
         """Inbox, schedule, run, update, cache tick; whether stored blocks still wait to be written."""
         sched, runner = self.scheduler, self.runner
+        runner.clock.start_loop()
+        made = 0
         idle = sched.idle
         # the graph warm-up goes on only while no engine of the process has requests
         warming = runner.graph_warmup is not None and idle and not sched.restoring and not activity.others_busy(self)
@@ -295,7 +303,7 @@ class LLMEngine:
         if runner.graph_warmup is not None:
             self.graph_warmup_progress = runner.warm_graphs(idle=sched.alone and not activity.others_busy(self))
         if sched.running:
-            self._step()
+            made = self._step()
             runner.buffers_dirty = True
             self._pause_if_outgrown()
             self._fail_sampling_faults()
@@ -305,6 +313,7 @@ class LLMEngine:
         idle = sched.idle and not sched.moving_from_ram()
         if not sched.prefilling_alone():  # else its TTFT would carry the copies
             unwritten = self._cache_tick(idle)
+        runner.clock.end_loop(made)
         return unwritten
 
     def _cache_tick(self, idle: bool) -> bool:
@@ -396,8 +405,8 @@ class LLMEngine:
         runner.join_batch(state, out.token)
         sched.joined_batch(state)
 
-    def _step(self) -> None:
-        """Schedule, run, update: one step of the running sequences."""
+    def _step(self) -> int:
+        """Schedule, run, update: one step of the running sequences; the tokens it made."""
         plan = self.scheduler.schedule(self.config.prefill_batch_size)
         out = self.runner.run(plan)
         result = self.scheduler.update_step(plan, out)
@@ -406,6 +415,7 @@ class LLMEngine:
             self.runner.store_solo_prompt(plan.solo)  # once its first token is out
         for state in result.prompt_stores:
             self.runner.store_batch_prompt(state)
+        return len(out.tokens)
 
     def _apply(self, result: Update) -> None:
         """What an update leaves: sequences to stop, finished ones to store."""

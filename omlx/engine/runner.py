@@ -45,6 +45,7 @@ from omlx.engine.solo import (
     plain_kv,
     sdpa_graph_capacity,
 )
+from omlx.engine.step_clock import StepClock, TimedForward
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.engine.store_queue import StoreQueue
 
@@ -85,6 +86,7 @@ class Runner(RunnerStores):
         self.graph_warmup: GraphWarmup | None = None
         self.buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
         self._failures_seen = 0  # `Guarded.failures` when last looked
+        self.clock = StepClock()  # where decode steps spend their time (status: `step_times`)
         self.bg = self.new_batch_generator()
 
     def run(self, plan: StepPlan) -> StepOut:
@@ -100,7 +102,7 @@ class Runner(RunnerStores):
     def new_batch_generator(self) -> BatchGenerator:
         c = self.config
         return BatchGenerator(
-            self.model,
+            TimedForward(lambda: self.model, self.clock),
             stream=self.stream,
             max_tokens=1,
             stop_tokens=[[t] for t in self.eos_ids],
@@ -131,7 +133,11 @@ class Runner(RunnerStores):
         """One `BatchGenerator` step (`single`: one sequence runs, so a prefill is timed
         alone); the prompts that ended with blocks worth storing, and the tokens made."""
         tic = time.perf_counter()
+        self.clock.begin_batch_step()
         prompt_responses, generation_responses = self.bg.next()
+        self.clock.end_batch_step()
+        if prompt_responses:
+            self.clock.prefilled()
         if any(not pr.end_of_prompt for pr in prompt_responses):  # prompts were fed a chunk each
             step = self.bg.prefill_step_size
             self.bg.prefill_step_size = paced_step(step, self.config.prefill_step_size, step, time.perf_counter() - tic)
@@ -274,7 +280,7 @@ class Runner(RunnerStores):
             state.solo = SoloSequence(
                 self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
                 logits_processors=state.processors, prefill_step_size=step, quantum=self.quantum, shapes=self.shapes,
-                captures=state.captures,
+                captures=state.captures, clock=self.clock,
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
         else:
@@ -320,6 +326,7 @@ class Runner(RunnerStores):
         """One chunk of the solo prompt (None while more remain), or one token."""
         solo = state.solo
         if solo.prefilling:
+            self.clock.prefilled()
             tic, before = time.perf_counter(), len(solo.fed)
             done = solo.prefill()
             seconds = time.perf_counter() - tic
@@ -362,6 +369,7 @@ class Runner(RunnerStores):
     def prefill_newcomers(self, group: list[RequestState]) -> list[RequestState]:
         """A prompt chunk for each of `group` (chunks of one shape in one forward pass), waited
         for together; those left with only their last token join the batch and are returned."""
+        self.clock.prefilled()
         fed = feed_chunks_together([state.solo for state in group])
         ready = [state for state, done in zip(group, fed, strict=True) if done]
         for state in group:

@@ -28,6 +28,7 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.layer_captures import Captures
+from omlx.engine.step_clock import PERF, StepClock
 
 Sampler = Callable[[mx.array], mx.array]
 # the most a batched chunk copies of its members' cached keys and values (`feed_chunks_together`)
@@ -152,6 +153,7 @@ class SoloSequence:
         quantum: int = 0,
         shapes: PrefillShapes | None = None,
         captures: Captures | None = None,
+        clock: StepClock | None = None,
     ):
         if not prompt:
             raise ValueError("a solo sequence needs at least one prompt token to feed")
@@ -167,6 +169,7 @@ class SoloSequence:
         self.quantum = quantum if quantum and prefill_step_size % quantum == 0 and plain_kv(self.cache) else 0
         self.shapes = shapes  # where the chunks fed are recorded, if anywhere
         self.captures = captures  # a stateful model's layer states, taken at block boundaries
+        self.clock = clock  # where its decode steps' time goes, if anywhere
         # The sampled token (and its logprobs) that has not been returned yet: set once the
         # prompt is fed; after that, always one forward pass ahead of what was returned.
         self.pending: tuple[mx.array, mx.array] | None = None
@@ -236,12 +239,17 @@ class SoloSequence:
         pass that feeds it (so the device works while the host handles this token)."""
         assert self.pending is not None, "prefill first"
         token, logprobs = self.pending
+        tic = built = launched = PERF()
         if launch:
             self.pending = self._forward(token)
+            built = PERF()
             mx.async_eval(*self.pending)
+            launched = PERF()
         else:
             self.pending = None
         value = token.item()
+        if self.clock is not None:
+            self.clock.decode_step(built - tic, launched - built, PERF() - launched)
         if launch:
             self.fed.append(value)
             self._crossed()

@@ -338,6 +338,9 @@ class EnginePool:
                     # and the sequences paused so far because the running ones outgrew it
                     "max_sequence_tokens": getattr(engine, "max_sequence_tokens", None) if engine else None,
                     "paused_for_memory": getattr(engine, "paused_for_memory", 0) if engine else 0,
+                    # seconds per part of the decode-only engine loops and the tokens they made
+                    # (engine/step_clock.py), and the engine's and event loop's threads' CPU
+                    "step_times": getattr(engine, "step_times", None) if engine else None,
                 }
             )
         return out

@@ -160,3 +160,31 @@ def test_refresh_picks_up_new_and_removed_folders(server, three_models):
     r = httpx.post(server.base_url + "/api/models/refresh").json()
     assert "model-d" not in r["models"]
     assert chat(server, "model-d").status_code == 404
+
+
+def test_status_splits_decode_time_per_part(server):
+    """`step_times` accounts the decode loops of a lone sequence and of a batch: every part is
+    counted, and the parts of the engine's loops add up within the wall time they took."""
+
+    def step_times() -> dict:
+        data = httpx.get(server.base_url + "/v1/models/status").json()["data"]
+        return next(m for m in data if m["id"] == "model-a")["step_times"]
+
+    lone = dict(max_tokens=40, logit_bias={"2": -100})
+    tic = time.perf_counter()
+    assert chat(server, "model-a", **lone).status_code == 200
+    after_one = step_times()
+    with cf.ThreadPoolExecutor(4) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda _: chat(server, "model-a", **lone), range(4)))
+    wall = time.perf_counter() - tic
+    after_batch = step_times()
+    assert after_one["tokens"] >= 30 and after_one["loops"] >= 30
+    for part in ("graph_build_s", "launch_s", "device_wait_s", "host_s"):
+        assert after_one[part] > 0, part  # the lone sequence decodes on the solo path
+    assert after_batch["tokens"] - after_one["tokens"] >= 100
+    assert after_batch["loops"] - after_one["loops"] < after_batch["tokens"] - after_one["tokens"]  # batched
+    assert after_batch["graph_build_s"] > after_one["graph_build_s"]
+    assert after_batch["device_wait_s"] > after_one["device_wait_s"]
+    parts = sum(after_batch[p] for p in ("graph_build_s", "launch_s", "device_wait_s", "host_s"))
+    assert parts < wall
+    assert after_batch["engine_cpu_s"] > 0 and after_batch["event_loop_cpu_s"] > 0
