@@ -1117,7 +1117,7 @@ def main() -> None:
     print_table(results)
 
 
-SPLIT = ("graph_build", "launch", "device_wait", "host", "engine_cpu", "event_loop_cpu")
+SPLIT = ("graph_build", "launch", "device_wait", "cache", "host", "engine_cpu", "event_loop_cpu")
 
 
 def step_split(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, float] | None:

@@ -104,6 +104,7 @@ def summary(rec: dict[str, Any]) -> dict[str, Any]:
         "cached_tokens": rec["cached_tokens"],
         "prompt_tokens": rec["prompt_tokens"],
         "completion_tokens": rec["completion_tokens"],
+        "decode_tps": round(bg.decode_rate(rec["times"]), 2) if len(rec["times"]) > 2 else None,
         "ids": [token_id(t) for t in rec.get("logprob_tokens", [])],
         "top5": [{str(token_id(t)): lp for t, lp in (top or {}).items()} for top in rec.get("top_logprobs", [])],
     }
@@ -151,18 +152,22 @@ def run_side(args: Any, side: str, s: Server, lengths: list[int], rows: list[str
                     s.wait_idle()
                     s.wait_warmed()
                 bodies = [req.body(p, peer=side == "peer") for p in req.rows[row]]
+                before = s.step_times() if side != "peer" else None
                 if len(bodies) == 1:
                     recs = [one(s.url, bodies[0])]
                 else:  # sent together
                     recs = sse_client.stream_group(s.url, bodies, time.perf_counter() + 0.2, bg.REQUEST_TIMEOUT)
+                split = bg.step_split(before, s.step_times()) if side != "peer" else None
                 for e, p, r in zip(entries, req.rows[row], recs, strict=True):
-                    e[side] = {"error": r["error"]} if "error" in r else summary(r)
+                    e[side] = {"error": r["error"]} if "error" in r else {**summary(r), "split": split}
                     e["prompt_tokens"] = len(p)
                     if side == "cache":
                         stored.add(tuple(p))
                 log(f"{n} {row} {side}: " + "; ".join(
-                    f"TTFT {e[side]['ttft']:.3f}s cached {e[side]['cached_tokens']}/{e['prompt_tokens']}"
-                    if "ttft" in e[side] else e[side]["error"] for e in entries))  # fmt: skip
+                    f"TTFT {e[side]['ttft']:.3f}s cached {e[side]['cached_tokens']}/{e['prompt_tokens']} "
+                    f"decode {e[side]['decode_tps'] or 0:.1f} tok/s"
+                    if "ttft" in e[side] else e[side]["error"] for e in entries)
+                    + (f"; {bg.split_line(split)}" if split else ""))  # fmt: skip
             except Exception:
                 for e in entries:
                     e[side] = {"error": traceback.format_exc()[-2000:]}

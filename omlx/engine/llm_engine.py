@@ -31,6 +31,7 @@ from omlx.engine.request import GenerationEvent, GenerationRequest
 from omlx.engine.request_state import RequestState, Status, Update
 from omlx.engine.runner import Runner
 from omlx.engine.scheduler import Places, Scheduler
+from omlx.engine.step_clock import PERF
 from omlx.errors import EngineError
 from omlx.models.loader import LoadedLLM
 from omlx.pool.memory import load_measured, memory_limit_total
@@ -307,12 +308,14 @@ class LLMEngine:
             runner.buffers_dirty = True
             self._pause_if_outgrown()
             self._fail_sampling_faults()
+        tic = PERF()
         runner.stores.store_finished()
         # idle, and no request waiting for this thread to move its cached prefix in from
         # RAM: that restore is all of its TTFT, and the copies out would lengthen it
         idle = sched.idle and not sched.moving_from_ram()
         if not sched.prefilling_alone():  # else its TTFT would carry the copies
             unwritten = self._cache_tick(idle)
+        runner.clock.add("cache", PERF() - tic)
         runner.clock.end_loop(made)
         return unwritten
 
@@ -411,10 +414,12 @@ class LLMEngine:
         out = self.runner.run(plan)
         result = self.scheduler.update_step(plan, out)
         self._apply(result)
+        tic = PERF()
         if plan.solo is not None and plan.solo.status is not Status.FINISHED:
             self.runner.store_solo_prompt(plan.solo)  # once its first token is out
         for state in result.prompt_stores:
             self.runner.store_batch_prompt(state)
+        self.runner.clock.add("cache", PERF() - tic)
         return len(out.tokens)
 
     def _apply(self, result: Update) -> None:

@@ -1,6 +1,6 @@
 """Where an engine's decode steps spend their time, per token made: building the step's graph,
-launching it, waiting for the device, the engine's own host work, and the CPU time of the
-event loop's and the engine's threads (docs/design/step-clock.md). Engine thread only, except
+launching it, waiting for the device, the prefix cache's work on the engine thread (stores,
+write-back), the engine's other host work, and the CPU time of the event loop's and the engine's threads (docs/design/step-clock.md). Engine thread only, except
 `snapshot`; a loop that prefilled anything is not counted."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 
 PERF = time.perf_counter
-PARTS = ("graph_build", "launch", "device_wait", "host")
+PARTS = ("graph_build", "launch", "device_wait", "cache", "host")
 
 
 class StepClock:
@@ -24,13 +24,13 @@ class StepClock:
         self.loops = 0
         self.tokens = 0
         self.engine_tid: int | None = None
-        self._parts = dict.fromkeys(PARTS[:3], 0.0)
+        self._parts = dict.fromkeys(PARTS[:4], 0.0)
         self._prefilled = False
         self._started = 0.0
         self._built_at = self._step_tic = 0.0
 
     def start_loop(self) -> None:
-        self._parts = dict.fromkeys(PARTS[:3], 0.0)
+        self._parts = dict.fromkeys(PARTS[:4], 0.0)
         self._prefilled = False
         self._started = PERF()
 
