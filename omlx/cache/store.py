@@ -86,12 +86,15 @@ class CacheStore:
     def _left_device(self, block: CacheBlock) -> None:
         """A block leaving device memory goes to host RAM, copied out, unless RAM still holds
         it (a block restored from RAM that the hot tier could not keep): no second copy. The
-        copy waits for the block's own engine while `demote_bound` allows."""
+        copy waits for the block's own engine while `demote_bound` allows; past it, a block the
+        SSD holds is let go uncopied (a copy now would hold up the step that pushed it out)."""
         host = None
         if self.warm is not None:
             if self.warm.touch(block.key):
                 host = self.warm.peek(block.key)
             elif self._defer(block):
+                return
+            elif self._on_ssd(block):
                 return
             else:
                 host = HostBlock.of(block, copy=True)
@@ -111,6 +114,13 @@ class CacheStore:
                 return False
             self.directory.leave(block, self.generation)
         return True
+
+    def _on_ssd(self, block: CacheBlock) -> bool:
+        """Where blocks may wait for their copy (`demote_bound`): whether the SSD has it written."""
+        ssd = self.ssd
+        if not self.demote_bound or ssd is None or ssd.writing(block.key):
+            return False
+        return ssd.contains(block.key, block.fingerprint)
 
     def moved_in(self, nbytes: int) -> None:
         """A restore or a store is about to put `nbytes` into the hot tier: the blocks it pushes out
