@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from common import (  # noqa: E402
     CpuMeter,
     PreparedModel,
@@ -254,6 +255,15 @@ def part_b(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
         log("starting oMLX --no-cache")
         servers["nocache"].start()
         warm_up(servers["nocache"], model)
+    if args.before_root:  # the same trace through an earlier checkout's server, in this run
+        here, common.REPO_ROOT = common.REPO_ROOT, Path(args.before_root).resolve()
+        try:
+            servers["before"] = Server("omlx", model, [], label=f"oMLX at {Path(args.before_root).name}")
+            log(f"starting oMLX from {args.before_root}")
+            servers["before"].start()
+        finally:
+            common.REPO_ROOT = here  # `python -m omlx` imported that tree at its start
+        warm_up(servers["before"], model)
     try:
         for t in range(1, args.turns + 1):
             trace.turn(t, servers)
@@ -275,6 +285,9 @@ def part_b(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
             "mlx_lm.server",
         )
     ]
+    if "before" in servers:
+        n = trace.all_results("before")
+        rows.append(Row("mean TTFT, all turns", mean(r.ttft for r in o), mean(r.ttft for r in n), "s", False, None, servers["before"].label))
     if "nocache" in servers:
         n = trace.all_results("nocache")
         rows.append(Row("mean TTFT, all turns", mean(r.ttft for r in o), mean(r.ttft for r in n), "s", False, None, "oMLX --no-cache"))
@@ -461,6 +474,10 @@ def main() -> None:
     ap.add_argument(
         "--no-cache-peer", action="store_true", help="(b) also run oMLX --no-cache through the trace"
     )
+    ap.add_argument(
+        "--before-root", default=None,
+        help="(b) also run the trace through `omlx serve` of this checkout (an earlier commit's, e.g. a git worktree)",
+    )  # fmt: skip
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()
     if args.quick:
