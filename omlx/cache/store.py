@@ -84,10 +84,9 @@ class CacheStore:
             self._owners[fingerprint] = self._owners.get(fingerprint, 0) + 1
 
     def _left_device(self, block: CacheBlock) -> None:
-        """A block leaving device memory goes to host RAM, copied out, unless RAM still holds
-        it (a block restored from RAM that the hot tier could not keep): no second copy. The
-        copy waits for the block's own engine while `demote_bound` allows; past it, a block the
-        SSD holds is let go uncopied (a copy now would hold up the step that pushed it out)."""
+        """A block leaving device memory goes to RAM, copied out, unless RAM holds it already; the
+        copy waits for its own engine while `demote_bound` allows; past it, a block the SSD holds
+        is let go uncopied (a copy now would hold up the step that pushed it out)."""
         host = None
         if self.warm is not None:
             if self.warm.touch(block.key):
