@@ -115,7 +115,7 @@ class CacheStore:
         return True
 
     def _on_ssd(self, block: CacheBlock) -> bool:
-        """Where blocks may wait for their copy (`demote_bound`): whether the SSD has it written."""
+        """Whether the SSD holds `block` written (only where evicted blocks may wait: `demote_bound`)."""
         ssd = self.ssd
         if not self.demote_bound or ssd is None or ssd.writing(block.key):
             return False

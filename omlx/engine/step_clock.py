@@ -1,7 +1,6 @@
-"""Where an engine's decode steps spend their time, per token made: building the step's graph,
-launching it, waiting for the device, the prefix cache's work on the engine thread (stores,
-write-back), the engine's other host work, and the CPU time of the event loop's and the engine's threads (docs/design/step-clock.md). Engine thread only, except
-`snapshot`; a loop that prefilled anything is not counted."""
+"""Where an engine's decode steps spend their time: building the step's graph, launching it,
+waiting for the device, the prefix cache's work on the engine thread, other host work, and both
+threads' CPU (docs/design/step-clock.md). Engine thread only, except `snapshot`."""
 
 from __future__ import annotations
 
@@ -30,7 +29,10 @@ class StepClock:
         self._built_at = self._step_tic = 0.0
 
     def start_loop(self) -> None:
-        self._parts = dict.fromkeys(PARTS[:4], 0.0)
+        """A loop begins (one that prefills anything is not counted)."""
+        parts = self._parts
+        for name in parts:
+            parts[name] = 0.0
         self._prefilled = False
         self._started = PERF()
 
