@@ -489,15 +489,23 @@ def raw_decode(
     model: Any, tokenizer: Any, prompt: list[int], n: int, eos: list[int], with_procs: bool = True
 ) -> dict[str, float]:
     """Batch-1 `stream_generate`; `with_procs`: EOS biased off by a logits processor (the
-    model of parts (a) and (b) needs none: its EOS is unreachable)."""
+    model of parts (a) and (b) needs none: its EOS is unreachable). `build_ms`: the model's
+    forward passes (graph building) per token, timed as the server's step clock times them."""
     from mlx_lm.generate import stream_generate
 
+    from omlx.engine.step_clock import StepClock, TimedForward
+
+    clock = StepClock()
+    clock.start_loop()
     sent = PERF()
     times = []
     procs = logits_procs(eos) if with_procs else None
-    for _ in stream_generate(model, tokenizer, prompt=prompt, max_tokens=n, logits_processors=procs):
+    timed = TimedForward(lambda: model, clock)
+    for _ in stream_generate(timed, tokenizer, prompt=prompt, max_tokens=n, logits_processors=procs):
         times.append(PERF())
-    return {"tps": decode_rate(times), "ttft": times[0] - sent, "tokens": len(times)}
+    clock.end_loop(len(times))
+    build_ms = 1000 * clock.totals["graph_build"] / max(1, len(times))
+    return {"tps": decode_rate(times), "ttft": times[0] - sent, "tokens": len(times), "build_ms": build_ms}
 
 
 def raw_decode_fresh_process(model_path: Path, prompt: list[int], n: int, eos: list[int]) -> float:
@@ -1186,13 +1194,15 @@ def part_a(
         rows.append({"omlx_tps": ours, "raw_tps": raw["tps"], "omlx_tokens": rec["completion_tokens"],
                      "raw_tokens": raw["tokens"], "omlx_prompt_tokens": rec["prompt_tokens"],
                      "raw_prompt_tokens": len(ids), "omlx_text_chunks": len(rec["times"]),
-                     "omlx_ttft": rec["times"][0] - rec["sent"], "raw_ttft": raw["ttft"], "split": split})  # fmt: skip
+                     "omlx_ttft": rec["times"][0] - rec["sent"], "raw_ttft": raw["ttft"], "split": split,
+                     "raw_build_ms": raw["build_ms"]})  # fmt: skip
         log(f"(a) round {r}: server {ours:.1f} tok/s ({rec['completion_tokens']} tokens), raw stream_generate "
-            f"{raw['tps']:.1f} tok/s ({raw['tokens']}) -> {ours / raw['tps']:.3f}x")  # fmt: skip
+            f"{raw['tps']:.1f} tok/s ({raw['tokens']}) -> {ours / raw['tps']:.3f}x; graph build ms/token: server "
+            f"{(split or {}).get('graph_build_ms', float('nan')):.2f}, raw {raw['build_ms']:.2f}")  # fmt: skip
     a: dict[str, Any] = {"rounds": rows, "decode_tokens": n, "prompt_tokens": args.prompt_tokens,
                          **median_ratio([x["omlx_tps"] for x in rows], [x["raw_tps"] for x in rows]),
-                         "split": median_split(rows)}  # fmt: skip
-    log(f"(a) {split_line(a['split'])}")
+                         "split": median_split(rows), "raw_build_ms": statistics.median(x["raw_build_ms"] for x in rows)}  # fmt: skip
+    log(f"(a) {split_line(a['split'])}; raw stream_generate's graph build {a['raw_build_ms']:.2f} ms per token")
     if args.references:
         prompt = chat_ids(tokenizer, wl.text(tokenizer, args.prompt_tokens))
         a["raw_fresh_process_tps"] = raw_decode_fresh_process(model_path, prompt, n, eos)
