@@ -1,6 +1,6 @@
-"""Where each block is: one `Residency` per key (`CacheStore.residency`) in one `BlockDirectory`,
-under one lock that the hot and RAM tiers share (`HotTier.share_lock`) and the SSD tier records
-WRITING and SSD under; callers deciding on several states hold `lock` (reentrant)."""
+"""Where each block is: one `Residency` per key (`CacheStore.residency`) in one `BlockDirectory`
+under one lock, the tiers recording theirs (hot HOT and RAM RAM: `HotTier.join`; the SSD tier
+WRITING and SSD); callers deciding on several states hold `lock` (reentrant)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class Residency(enum.Flag):
 
 ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.LEAVING  # device memory holds it
 SSD_STATES = Residency.WRITING | Residency.SSD  # the SSD tier's, recorded by it (`SSDTier`, `SSDIndex`)
+TIER_STATES = Residency.HOT | Residency.RAM | SSD_STATES  # recorded by the tiers (`mark`), dropped by their `clear`
 
 
 @dataclass
@@ -236,10 +237,10 @@ class BlockDirectory:
             for key in [k for k in self._staged if self._entries[k].staged.fingerprint == fingerprint]:  # type: ignore[union-attr]
                 self.unstage(key)
 
-    # ----- the SSD tier's states (`SSDTier`: WRITING, `SSDIndex`: SSD) -----------------
+    # ----- the tiers' states (`HotTier`: HOT, RAM; `SSDTier`: WRITING; `SSDIndex`: SSD) -----
     def mark(self, key: str, state: Residency) -> None:
-        """Add one of the SSD tier's states (`SSD_STATES`) to `key`'s."""
-        assert not state & ~SSD_STATES, state
+        """Add one of the tiers' states (`TIER_STATES`) to `key`'s."""
+        assert not state & ~TIER_STATES, state
         with self.lock:
             self._set(key, state)
 
@@ -253,14 +254,14 @@ class BlockDirectory:
             return {key for key, entry in self._entries.items() if entry.state & state}
 
     def clear(self) -> None:
-        """Nothing waits any more (`CacheStore.clear`); the SSD tier's states stay, for its own
-        `clear` to drop with its files."""
+        """Nothing waits any more (`CacheStore.clear`); the tiers' states stay, for their own
+        `clear` to drop (the SSD tier's with its files)."""
         with self.lock:
             for key in list(self._entries):
-                if not self._entries[key].state & SSD_STATES:
+                if not self._entries[key].state & TIER_STATES:
                     del self._entries[key]
                 else:
-                    self._entries[key] = _Entry(self._entries[key].state & SSD_STATES)
+                    self._entries[key] = _Entry(self._entries[key].state & TIER_STATES)
             self._unwritten.clear()
             self._unwritten_bytes.clear()
             self._leaving.clear()

@@ -1,16 +1,18 @@
-"""The SSD tier's states live in the block directory: WRITING while a block is queued or being
-written, SSD while its file is indexed, recorded under the directory's one lock (the store's,
-the hot and RAM tiers'), which the writer never holds across file I/O."""
+"""Every tier's states live in the block directory: HOT and RAM while the hot and RAM tiers hold
+a block, WRITING while it is queued or being written, SSD while its file is indexed, under the
+directory's one lock (every tier's), which the SSD writer never holds across file I/O."""
 
 from __future__ import annotations
 
 import hashlib
+import random
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
-from omlx.cache.block import HostBlock
+from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.residency import SSD_STATES, BlockDirectory, Residency
 from omlx.cache.ssd_tier import SSDTier
@@ -147,3 +149,88 @@ def test_concurrent_puts_reads_and_evictions_keep_directory_and_index_consistent
     on_ssd = {b.key for b in map(host_block, range(120)) if store.residency(b.key, FP) & Residency.SSD}
     assert on_ssd == set(ssd._index)
     store.close()
+
+
+# ----- the hot and RAM tiers record HOT and RAM in the same directory -------------------
+def device_block(i: int, nbytes: int = 1000, fp: str = FP) -> CacheBlock:
+    key = hashlib.sha256(f"{fp}-{i}".encode()).hexdigest()
+    return CacheBlock(key, None, fp, 16, ["kv"], {"kv": mx.full((nbytes,), i % 251, dtype=mx.uint8)})
+
+
+def entries(d: BlockDirectory) -> set[str]:
+    """Every key the directory has an entry for (one with no state left must have none)."""
+    with d.lock:
+        return set(d._entries)
+
+
+def test_a_block_is_hot_then_leaving_then_in_ram_then_gone(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    store.hot.set_max_bytes(2000)  # room for two blocks
+    store.demote_bound = 1 << 20  # let go, a block waits for its own engine's copy to RAM
+    store.own(FP)
+    d = store.directory
+    a, b, c = device_block(1), device_block(2), device_block(3)
+    assert store.hot.put(a) and store.hot.put(b)
+    assert d.state(a.key) == Residency.HOT == store.residency(a.key, FP)
+    assert d.keys_with(Residency.HOT) == {a.key, b.key}
+    assert store.hot.put(c)  # pushes `a` out: it waits in device memory
+    assert d.state(a.key) == Residency.LEAVING == store.residency(a.key, FP)
+    assert not store.demote(FP, limit=1 << 30, due=True)
+    assert d.state(a.key) == Residency.RAM == store.residency(a.key, FP)
+    assert store.warm.take(a.key) is not None  # moved back toward the device: in no tier now
+    assert d.state(a.key) == Residency.NONE and a.key not in entries(d)
+    store.hot.discard(b.key)
+    store.hot.shed(1 << 30)  # `c` let go: it waits, then is copied to RAM
+    assert d.keys_with(Residency.HOT) == set() and d.state(c.key) == Residency.LEAVING
+    assert not store.demote(FP, limit=1 << 30, due=True) and d.keys_with(Residency.RAM) == {c.key}
+    store.clear()
+    assert entries(d) == set()
+    store.close()
+
+
+def test_a_tier_alone_keeps_working_and_one_joined_late_records_what_it_holds() -> None:
+    hot = HotTier(3000)
+    blocks = [device_block(i) for i in range(4)]
+    for block in blocks:
+        hot.put(block)
+    assert hot.stats()["blocks"] == 3 and hot.stats()["evictions"] == 1
+    store = CacheStore(hot, None, 16)
+    assert store.directory.keys_with(Residency.HOT) == {b.key for b in blocks[1:]}
+    assert hot.lock is store.directory.lock
+    hot.clear()
+    assert entries(store.directory) == set()
+
+
+def test_the_directory_s_hot_and_ram_keys_follow_the_tiers_through_random_changes() -> None:
+    rng = random.Random(30)
+    pool = [device_block(i, nbytes=rng.choice((500, 1000, 1500)), fp=rng.choice(("m", "n"))) for i in range(16)]
+    store = CacheStore(HotTier(4000), None, 16, warm=HotTier(6000), demote_bound=2000)
+    store.own("m")
+    hot, warm, d = store.hot, store.warm, store.directory
+    assert warm is not None
+    ops = [
+        lambda b: hot.put(b, keep={rng.choice(pool).key}),
+        lambda b: hot.take(b.key),
+        lambda b: hot.discard(b.key),
+        lambda b: hot.shed(rng.choice((500, 3000))),
+        lambda b: hot.set_max_bytes(rng.choice((2000, 4000, 6000))),
+        lambda b: hot.discard_fingerprint(b.fingerprint),
+        lambda b: warm.put(HostBlock.of(b, copy=True)),
+        lambda b: warm.take(b.key),
+        lambda b: warm.set_max_bytes(rng.choice((3000, 6000))),
+        lambda b: store.demote("m", limit=rng.choice((1, 1 << 30)), due=True),
+        lambda b: store.reclaim(b.key),
+        lambda b: d.await_write(b),
+        lambda b: d.take_unwritten(b),
+        lambda b: store.clear() if rng.random() < 0.1 else None,
+    ]
+    for step in range(600):
+        rng.choice(ops)(rng.choice(pool))
+        in_hot = {b.key for b in pool if hot.contains(b.key)}
+        in_ram = {b.key for b in pool if warm.contains(b.key)}
+        assert d.keys_with(Residency.HOT) == in_hot and d.keys_with(Residency.RAM) == in_ram, step
+        waiting = d.keys_with(Residency.UNWRITTEN | Residency.LEAVING)
+        assert entries(d) == in_hot | in_ram | waiting, step  # no key left without a state
+        assert all(store.residency(b.key) == d.state(b.key) for b in pool)
+    store.clear()
+    assert entries(d) == set() and hot.stats()["bytes"] == 0 == warm.stats()["bytes"]
