@@ -1,6 +1,6 @@
 """The in-memory tiers: a thread-safe LRU of blocks under one byte budget shared by all loaded
-models (keys include the fingerprint): the hot tier of `CacheBlock`s and, on a discrete GPU,
-the RAM tier of `HostBlock`s that the hot tier hands its evictions to (`on_evict`)."""
+models (keys include the fingerprint): the hot tier of `CacheBlock`s and, on a discrete GPU, the
+RAM tier of `HostBlock`s it hands its evictions to (`on_evict`); joined, each records its state."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omlx.cache.block import CacheBlock
+from omlx.cache.residency import BlockDirectory, Residency
 
 __all__ = ["HotTier"]
 
@@ -26,6 +27,8 @@ class HotTier:
         self._sizes: dict[str, int] = {}
         self._bytes = 0
         self._lock: threading.RLock = threading.RLock()
+        self._directory: BlockDirectory | None = None  # where its keys' state is recorded (`join`)
+        self._state = Residency.NONE
         self._hits = 0
         self._misses = 0
         self._evictions = 0
@@ -35,10 +38,13 @@ class HotTier:
         """The reentrant lock every method of this tier takes."""
         return self._lock
 
-    def share_lock(self, lock: threading.RLock) -> None:
-        """Guard this tier with `lock` from now on (a `CacheStore` shares one lock among its
-        tiers and its block directory); only before the tier is in use."""
-        self._lock = lock
+    def join(self, directory: BlockDirectory, state: Residency) -> None:
+        """Record `state` (HOT or RAM) in `directory` for each key while this tier holds it, under
+        the directory's lock from now on (a `CacheStore`'s tiers share both); before use."""
+        with directory.lock:
+            self._lock, self._directory, self._state = directory.lock, directory, state
+            for key in self._blocks:
+                directory.mark(key, state)
 
     @property
     def max_bytes(self) -> int:
@@ -123,6 +129,8 @@ class HotTier:
                     self._blocks[block.key] = block
                     self._sizes[block.key] = size
                     self._bytes += size
+                    if self._directory is not None:
+                        self._directory.mark(block.key, self._state)
         self._hand_over(evicted)
         return stored
 
@@ -150,10 +158,12 @@ class HotTier:
             return self._pop(key) is not None
 
     def _pop(self, key: str) -> Any | None:
-        """Remove `key`'s block and its bytes (caller holds the lock)."""
+        """Remove `key`'s block, its bytes and its state (caller holds the lock)."""
         block = self._blocks.pop(key, None)
         if block is not None:
             self._bytes -= self._sizes.pop(key)
+            if self._directory is not None:
+                self._directory.unmark(key, self._state)
         return block
 
     def discard_fingerprint(self, fingerprint: str) -> int:
@@ -161,15 +171,13 @@ class HotTier:
         with self._lock:
             doomed = [k for k, b in self._blocks.items() if b.fingerprint == fingerprint]
             for k in doomed:
-                del self._blocks[k]
-                self._bytes -= self._sizes.pop(k)
+                self._pop(k)
             return len(doomed)
 
     def clear(self) -> None:
         with self._lock:
-            self._blocks.clear()
-            self._sizes.clear()
-            self._bytes = 0
+            for key in list(self._blocks):
+                self._pop(key)
 
     def set_max_bytes(self, max_bytes: int) -> None:
         """Change the budget at run time (e.g. under memory pressure), evicting to fit."""
@@ -179,10 +187,8 @@ class HotTier:
         with self._lock:
             self._max_bytes = int(max_bytes)
             while self._blocks and self._bytes > self._max_bytes:
-                old_key, old = self._blocks.popitem(last=False)
-                self._bytes -= self._sizes.pop(old_key)
                 self._evictions += 1
-                evicted.append(old)
+                evicted.append(self._pop(next(iter(self._blocks))))
         self._hand_over(evicted)
 
     def shed(self, nbytes: int) -> int:
@@ -191,12 +197,10 @@ class HotTier:
         evicted, freed = [], 0
         with self._lock:
             while self._blocks and freed < nbytes:
-                old_key, old = self._blocks.popitem(last=False)
-                size = self._sizes.pop(old_key)
-                self._bytes -= size
+                old_key = next(iter(self._blocks))
+                freed += self._sizes[old_key]
                 self._evictions += 1
-                freed += size
-                evicted.append(old)
+                evicted.append(self._pop(old_key))
         self._hand_over(evicted)
         return freed
 

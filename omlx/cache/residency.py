@@ -1,6 +1,6 @@
-"""Where each block is: one `Residency` per key (`CacheStore.residency`), the states between
-the tiers kept by one `BlockDirectory` under one lock that the hot and RAM tiers share
-(`HotTier.share_lock`); callers deciding on several states hold `lock` (reentrant)."""
+"""Where each block is: one `Residency` per key (`CacheStore.residency`) in one `BlockDirectory`
+under one lock, the tiers recording theirs (hot HOT and RAM RAM: `HotTier.join`; the SSD tier
+WRITING and SSD); callers deciding on several states hold `lock` (reentrant)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class Residency(enum.Flag):
 
 
 ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.LEAVING  # device memory holds it
+SSD_STATES = Residency.WRITING | Residency.SSD  # the SSD tier's, recorded by it (`SSDTier`, `SSDIndex`)
+TIER_STATES = Residency.HOT | Residency.RAM | SSD_STATES  # recorded by the tiers (`mark`), dropped by their `clear`
 
 
 @dataclass
@@ -50,6 +52,7 @@ class BlockDirectory:
         self._unwritten_bytes: dict[str, int] = {}
         self._leaving: OrderedDict[str, None] = OrderedDict()
         self.leaving_bytes = 0
+        self._staged: set[str] = set()
 
     def state(self, key: str) -> Residency:
         with self.lock:
@@ -213,6 +216,7 @@ class BlockDirectory:
     def stage(self, held: HostBlock) -> None:
         with self.lock:
             self._set(held.key, Residency.STAGED, staged=held)
+            self._staged.add(held.key)
 
     def is_staged(self, key: str) -> bool:
         return bool(self.state(key) & Residency.STAGED)
@@ -223,20 +227,43 @@ class BlockDirectory:
             entry = self._unset(key, Residency.STAGED)
             if entry is None:
                 return None
+            self._staged.discard(key)
             held, entry.staged = entry.staged, None
             return held
 
     def unstage_all(self, fingerprint: str) -> None:
         """What was read ahead for that model and not used goes."""
         with self.lock:
-            for key in [k for k, e in self._entries.items() if e.staged is not None and e.staged.fingerprint == fingerprint]:
+            for key in [k for k in self._staged if self._entries[k].staged.fingerprint == fingerprint]:  # type: ignore[union-attr]
                 self.unstage(key)
 
-    def clear(self) -> None:
-        """Nothing waits any more (`CacheStore.clear`)."""
+    # ----- the tiers' states (`HotTier`: HOT, RAM; `SSDTier`: WRITING; `SSDIndex`: SSD) -----
+    def mark(self, key: str, state: Residency) -> None:
+        """Add one of the tiers' states (`TIER_STATES`) to `key`'s."""
+        assert not state & ~TIER_STATES, state
         with self.lock:
-            self._entries.clear()
+            self._set(key, state)
+
+    def unmark(self, key: str, state: Residency) -> None:
+        with self.lock:
+            self._unset(key, state)
+
+    def keys_with(self, state: Residency) -> set[str]:
+        """The keys whose state has any of `state` (a snapshot)."""
+        with self.lock:
+            return {key for key, entry in self._entries.items() if entry.state & state}
+
+    def clear(self) -> None:
+        """Nothing waits any more (`CacheStore.clear`); the tiers' states stay, for their own
+        `clear` to drop (the SSD tier's with its files)."""
+        with self.lock:
+            for key in list(self._entries):
+                if not self._entries[key].state & TIER_STATES:
+                    del self._entries[key]
+                else:
+                    self._entries[key] = _Entry(self._entries[key].state & TIER_STATES)
             self._unwritten.clear()
             self._unwritten_bytes.clear()
             self._leaving.clear()
+            self._staged.clear()
             self.leaving_bytes = 0

@@ -1,11 +1,14 @@
-"""The SSD tier's index: its block files by key, least recently used first, with their bytes.
-Not thread-safe on its own: the tier's lock guards every call."""
+"""The SSD tier's index: its block files by key, least recently used first, with their bytes;
+each indexed key is `Residency.SSD` in the block directory. Not thread-safe on its own: the
+directory's lock (the tier's) guards every call."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from omlx.cache.residency import BlockDirectory, Residency
 
 
 @dataclass
@@ -15,11 +18,13 @@ class Entry:
 
 
 class SSDIndex:
-    """Entries by key in LRU order (oldest first) and the bytes they add up to."""
+    """Entries by key in LRU order (oldest first) and the bytes they add up to; `directory`
+    has SSD in a key's state exactly while the key is indexed."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: BlockDirectory) -> None:
         self._entries: OrderedDict[str, Entry] = OrderedDict()
         self.bytes = 0
+        self._directory = directory
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -39,16 +44,19 @@ class SSDIndex:
         self.pop(key)
         self._entries[key] = Entry(size, fingerprint)
         self.bytes += size
+        self._directory.mark(key, Residency.SSD)
 
     def pop(self, key: str) -> Entry | None:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.bytes -= entry.size
+            self._directory.unmark(key, Residency.SSD)
         return entry
 
     def pop_oldest(self) -> tuple[str, Entry]:
         key, entry = self._entries.popitem(last=False)
         self.bytes -= entry.size
+        self._directory.unmark(key, Residency.SSD)
         return key, entry
 
     def touch(self, key: str) -> None:
@@ -73,6 +81,7 @@ class SSDIndex:
         for _mtime, key, size, fp in found:
             if key not in removed:
                 rebuilt[key] = Entry(size, fp)
+                self._directory.mark(key, Residency.SSD)
         for key, entry in self._entries.items():
             rebuilt.pop(key, None)
             rebuilt[key] = entry
@@ -80,5 +89,7 @@ class SSDIndex:
         self.bytes = sum(e.size for e in rebuilt.values())
 
     def clear(self) -> None:
+        for key in self._entries:
+            self._directory.unmark(key, Residency.SSD)
         self._entries.clear()
         self.bytes = 0

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omlx.cache.block import CacheBlock, HostBlock, HostTensors
+from omlx.cache.residency import BlockDirectory, Residency
 from omlx.cache.ssd_files import (
     fsync_dir,
     looks_like_io_error,
@@ -58,19 +59,22 @@ class SSDTier:
         *,
         write_queue_max: int = 256,
         read_workers: int = 4,
+        directory: BlockDirectory | None = None,
     ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._dir = Path(cache_dir)
         self._max_bytes = int(max_bytes)
         self._reads = ReadPools(read_workers)
-        self._lock = threading.RLock()  # index, counters, pending
+        # each block's WRITING and SSD are kept in this directory (a `CacheStore` adopts it), and
+        # its lock guards the index and counters too; never held across file I/O
+        self.block_directory = directory if directory is not None else BlockDirectory()
+        self._lock = self.block_directory.lock
         self._io_lock = threading.Lock()  # one writer of files at a time (writer vs clear)
-        self._index = SSDIndex()
+        self._index = SSDIndex(self.block_directory)
         self._ready = threading.Event()
         self._scan_removed: set[str] = set()
         self._queue: queue.Queue[CacheBlock | None] = queue.Queue(maxsize=max(1, write_queue_max))
-        self._pending: set[str] = set()
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         # engines prefilling a prompt alone (`hold_writes`): the writer waits between files
@@ -121,15 +125,19 @@ class SSDTier:
 
     def contains(self, key: str, fingerprint: str) -> bool:
         """Cheap presence check (no file read once the index is built)."""
+        indexed = self.indexed(key, fingerprint)
+        return self.path_for(key).is_file() if indexed is None else indexed
+
+    def indexed(self, key: str, fingerprint: str) -> bool | None:
+        """Whether the index holds `key` as `fingerprint`'s block; None when only the files can
+        tell (the index is not built yet). No file I/O: callers may hold the lock."""
         if not self.enabled or not is_key(key):
             return False
         with self._lock:
             entry = self._index.get(key)
             if entry is not None:
                 return entry.fingerprint == fingerprint
-            if self._ready.is_set():
-                return False
-        return self.path_for(key).is_file()
+            return False if self._ready.is_set() else None
 
     def touch_many(self, keys: list[str]) -> None:
         """Mark blocks used (in this order) that were served from a faster tier, so the budget
@@ -212,9 +220,12 @@ class SSDTier:
             pass
         with self._lock:
             self._counters["hits"] += 1
-            if key in self._index:
-                self._index.touch(key)
-            elif not self._ready.is_set() or path.exists():
+            indexed = key in self._index
+            self._index.touch(key)
+        if indexed or (self._ready.is_set() and not path.exists()):  # stat outside the lock: gone since read
+            return read
+        with self._lock:
+            if key not in self._index:
                 self._index.add(key, size, fingerprint)
         return read
 
@@ -226,8 +237,7 @@ class SSDTier:
 
     def writing(self, key: str) -> bool:
         """Whether `key` is queued or being written (its bytes are still to be read)."""
-        with self._lock:
-            return key in self._pending
+        return bool(self.block_directory.state(key) & Residency.WRITING)
 
     def has_room(self) -> bool:
         """Whether the write queue is under half full: callers that can hold blocks back
@@ -244,12 +254,12 @@ class SSDTier:
             if self._writes_disabled:
                 self._counters["dropped_writes"] += 1
                 return False
-            if block.key in self._index or block.key in self._pending:
+            if self.block_directory.state(block.key) & (Residency.SSD | Residency.WRITING):  # indexed or pending
                 return False
             if block.nbytes > self._max_bytes:
                 self._counters["dropped_writes"] += 1
                 return False
-            self._pending.add(block.key)
+            self.block_directory.mark(block.key, Residency.WRITING)
             self._inflight += 1
         # the only MLX work of a write, on the caller's thread
         item = block if isinstance(block, HostBlock) else HostBlock.of(block, copy=False)
@@ -257,7 +267,7 @@ class SSDTier:
             self._queue.put_nowait(item)
         except queue.Full:
             with self._lock:
-                self._pending.discard(block.key)
+                self.block_directory.unmark(block.key, Residency.WRITING)
                 self._counters["dropped_writes"] += 1
                 self._done_one()
             return False
@@ -339,7 +349,7 @@ class SSDTier:
                 self._queue.put_nowait(None)
                 return
             with self._lock:
-                self._pending.discard(item.key)
+                self.block_directory.unmark(item.key, Residency.WRITING)
                 if count_as_dropped:
                     self._counters["dropped_writes"] += 1
                 self._done_one()
@@ -400,7 +410,7 @@ class SSDTier:
                 log.exception("SSD cache: writer error")
             finally:
                 with self._lock:
-                    self._pending.discard(block.key)
+                    self.block_directory.unmark(block.key, Residency.WRITING)
                     self._done_one()
             del block  # its bytes go now, not when the next block comes (an engine empties MLX's cache)
 

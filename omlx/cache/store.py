@@ -11,7 +11,7 @@ from typing import Any
 
 from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.hot_tier import HotTier
-from omlx.cache.residency import BlockDirectory, Residency
+from omlx.cache.residency import SSD_STATES, BlockDirectory, Residency
 from omlx.cache.ssd_tier import SSDTier
 
 
@@ -60,10 +60,12 @@ class CacheStore:
         # own engine to copy them to RAM (`demote`), between steps or when idle: copied at
         # eviction, the copy would hold up the engine that stored, and every request behind it.
         self.demote_bound = demote_bound if self.warm is not None and hot.enabled else 0
-        # one lock for the directory, the hot and RAM tiers and the bookkeeping below
-        self.directory = BlockDirectory(hot.lock)
+        # one directory (the SSD tier's, where it records WRITING and SSD; the hot and RAM tiers
+        # record HOT and RAM) and one lock for it, the tiers and the bookkeeping below
+        self.directory = self.ssd.block_directory if self.ssd is not None else BlockDirectory()
+        hot.join(self.directory, Residency.HOT)
         if self.warm is not None:
-            self.warm.share_lock(hot.lock)
+            self.warm.join(self.directory, Residency.RAM)
         self._leaving_lock = self.directory.lock
         self._restored = 0  # bytes restores moved into the hot tier since nothing waited (`moved_in`)
         # fingerprint -> engines (a reload may overlap the old engine's close) that demote its blocks
@@ -134,19 +136,17 @@ class CacheStore:
         return self.demote_bound + min(self._restored, self.hot.max_bytes)
 
     def residency(self, key: str, fingerprint: str | None = None) -> Residency:
-        """Where the block `key` is now: the directory's state with the hot and RAM tiers'
-        (one lock), and with `fingerprint`, the SSD tier's (its own)."""
+        """Where the block `key` is now: its state in the directory, under one lock; the SSD tier's
+        (WRITING, SSD: `fingerprint`'s file) only given `fingerprint`."""
         with self.directory.lock:
             state = self.directory.state(key)
-            if self.hot.contains(key):
-                state |= Residency.HOT
-            if self.warm is not None and self.warm.contains(key):
-                state |= Residency.RAM
-        if fingerprint is not None and self.ssd is not None:
-            if self.ssd.writing(key):
-                state |= Residency.WRITING
-            if self.ssd.contains(key, fingerprint):
-                state |= Residency.SSD
+            if fingerprint is None or self.ssd is None:
+                return state & ~SSD_STATES
+            indexed = self.ssd.indexed(key, fingerprint)
+            if not indexed:
+                state &= ~Residency.SSD
+        if indexed is None and self.ssd.contains(key, fingerprint):  # index not built: the files tell
+            state |= Residency.SSD
         return state
 
     def leaving(self, key: str) -> bool:

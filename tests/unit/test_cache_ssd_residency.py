@@ -1,0 +1,236 @@
+"""Every tier's states live in the block directory: HOT and RAM while the hot and RAM tiers hold
+a block, WRITING while it is queued or being written, SSD while its file is indexed, under the
+directory's one lock (every tier's), which the SSD writer never holds across file I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.hot_tier import HotTier
+from omlx.cache.residency import SSD_STATES, BlockDirectory, Residency
+from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.store import CacheStore
+
+FP = "m"
+
+
+def host_block(i: int, nbytes: int = 1000, fp: str = FP) -> HostBlock:
+    key = hashlib.sha256(f"{fp}-{i}".encode()).hexdigest()
+    host = {"kv": ("uint8", (nbytes,), np.full(nbytes, i % 251, dtype=np.uint8))}
+    return HostBlock(key, None, fp, 16, ["kv"], host)
+
+
+def open_store(root: Path, ssd_bytes: int = 1 << 30) -> tuple[CacheStore, SSDTier]:
+    ssd = SSDTier(root, ssd_bytes)
+    assert ssd.wait_ready(10)
+    return CacheStore(HotTier(1 << 20), ssd, 16, warm=HotTier(1 << 20)), ssd
+
+
+def consistent(ssd: SSDTier) -> bool:
+    """SSD in a key's state exactly while the index holds it; no write left pending."""
+    d = ssd.block_directory
+    return d.keys_with(Residency.SSD) == set(ssd._index) and not d.keys_with(Residency.WRITING)
+
+
+def test_the_ssd_tier_and_the_store_share_one_directory_and_one_lock(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    assert store.directory is ssd.block_directory
+    assert ssd._lock is store.directory.lock is store.hot.lock is store.warm.lock
+    alone = SSDTier(tmp_path / "alone", 1 << 20)  # without a store: a directory of its own
+    assert isinstance(alone.block_directory, BlockDirectory) and alone.block_directory is not store.directory
+    given = BlockDirectory()
+    assert SSDTier(tmp_path / "given", 0, directory=given).block_directory is given
+    alone.close()
+    store.close()
+
+
+def test_a_block_is_writing_then_on_the_ssd_then_gone_after_eviction(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    gate, inside = threading.Event(), threading.Event()
+    real = ssd._write_file
+
+    def slow(path, host, metadata):  # type: ignore[no-untyped-def]
+        inside.set()
+        assert gate.wait(10)
+        real(path, host, metadata)
+
+    ssd._write_file = slow  # type: ignore[method-assign]
+    a = host_block(1)
+    assert ssd.put(a) and inside.wait(10)  # the writer is inside the file write now
+    assert store.residency(a.key, FP) == Residency.WRITING == store.directory.state(a.key)
+    assert ssd.writing(a.key) and not ssd.put(a)  # queued once
+    assert store.directory.lock.acquire(timeout=5)  # the writer holds no lock across the write
+    store.directory.lock.release()
+    gate.set()
+    assert ssd.flush(10)
+    assert store.residency(a.key, FP) == Residency.SSD == store.directory.state(a.key)
+    assert store.residency(a.key) == Residency.NONE  # the SSD asked only with a fingerprint
+    assert store.residency(a.key, "other") == Residency.NONE  # another model's key
+    ssd._max_bytes = ssd.stats()["bytes"]  # room for one file: the next write pushes it out
+    b = host_block(2)
+    assert ssd.put(b) and ssd.flush(10)
+    assert store.residency(a.key, FP) == Residency.NONE and ssd.stats()["evictions"] >= 1
+    assert consistent(ssd)
+    store.close()
+
+
+def test_a_clear_drops_every_state_the_ssd_s_with_its_files(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    blocks = [host_block(i) for i in range(4)]
+    for block in blocks:
+        assert ssd.put(block)
+    assert ssd.flush(10)
+    store.directory.await_write(blocks[0])  # also waits for the writer (a stand-in)
+    assert store.directory.state(blocks[0].key) == Residency.UNWRITTEN | Residency.SSD
+    store.clear()
+    assert all(store.residency(b.key, FP) == Residency.NONE for b in blocks)
+    assert not store.directory.keys_with(~Residency.NONE) and consistent(ssd)
+    store.close()
+
+
+def test_a_directory_clear_alone_keeps_the_ssd_tier_s_states() -> None:
+    d = BlockDirectory()
+    d.mark("a", Residency.SSD)
+    d.mark("b", Residency.WRITING)
+    d.stage(host_block(3))
+    d.leave(host_block(4), 0)
+    d.clear()
+    assert d.state("a") == Residency.SSD and d.state("b") == Residency.WRITING
+    assert d.keys_with(~Residency.NONE) == {"a", "b"} == d.keys_with(SSD_STATES)
+    d.unmark("a", Residency.SSD)
+    assert d.state("a") == Residency.NONE
+
+
+def test_a_restart_indexes_every_file_as_ssd_in_the_directory(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    blocks = [host_block(i) for i in range(3)]
+    for block in blocks:
+        assert ssd.put(block)
+    store.close()
+    fresh, ssd2 = open_store(tmp_path)
+    assert all(fresh.residency(b.key, FP) == Residency.SSD for b in blocks) and consistent(ssd2)
+    fresh.close()
+
+
+def test_concurrent_puts_reads_and_evictions_keep_directory_and_index_consistent(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path, ssd_bytes=6000)  # room for a few blocks: most are evicted
+    errors: list[BaseException] = []
+
+    def writer(first: int) -> None:
+        try:
+            for i in range(first, first + 40):
+                ssd.put(host_block(i))
+                store.residency(host_block(i - 1).key, FP)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for i in range(120):
+                for future in ssd.read_ahead([host_block(i).key], FP):
+                    future.result(10)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n * 40,)) for n in range(3)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and ssd.flush(30)
+    assert consistent(ssd) and ssd.stats()["bytes"] <= 6000 and ssd.stats()["evictions"] > 0
+    on_ssd = {b.key for b in map(host_block, range(120)) if store.residency(b.key, FP) & Residency.SSD}
+    assert on_ssd == set(ssd._index)
+    store.close()
+
+
+# ----- the hot and RAM tiers record HOT and RAM in the same directory -------------------
+def device_block(i: int, nbytes: int = 1000, fp: str = FP) -> CacheBlock:
+    key = hashlib.sha256(f"{fp}-{i}".encode()).hexdigest()
+    return CacheBlock(key, None, fp, 16, ["kv"], {"kv": mx.full((nbytes,), i % 251, dtype=mx.uint8)})
+
+
+def entries(d: BlockDirectory) -> set[str]:
+    """Every key the directory has an entry for (one with no state left must have none)."""
+    with d.lock:
+        return set(d._entries)
+
+
+def test_a_block_is_hot_then_leaving_then_in_ram_then_gone(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    store.hot.set_max_bytes(2000)  # room for two blocks
+    store.demote_bound = 1 << 20  # let go, a block waits for its own engine's copy to RAM
+    store.own(FP)
+    d = store.directory
+    a, b, c = device_block(1), device_block(2), device_block(3)
+    assert store.hot.put(a) and store.hot.put(b)
+    assert d.state(a.key) == Residency.HOT == store.residency(a.key, FP)
+    assert d.keys_with(Residency.HOT) == {a.key, b.key}
+    assert store.hot.put(c)  # pushes `a` out: it waits in device memory
+    assert d.state(a.key) == Residency.LEAVING == store.residency(a.key, FP)
+    assert not store.demote(FP, limit=1 << 30, due=True)
+    assert d.state(a.key) == Residency.RAM == store.residency(a.key, FP)
+    assert store.warm.take(a.key) is not None  # moved back toward the device: in no tier now
+    assert d.state(a.key) == Residency.NONE and a.key not in entries(d)
+    store.hot.discard(b.key)
+    store.hot.shed(1 << 30)  # `c` let go: it waits, then is copied to RAM
+    assert d.keys_with(Residency.HOT) == set() and d.state(c.key) == Residency.LEAVING
+    assert not store.demote(FP, limit=1 << 30, due=True) and d.keys_with(Residency.RAM) == {c.key}
+    store.clear()
+    assert entries(d) == set()
+    store.close()
+
+
+def test_a_tier_alone_keeps_working_and_one_joined_late_records_what_it_holds() -> None:
+    hot = HotTier(3000)
+    blocks = [device_block(i) for i in range(4)]
+    for block in blocks:
+        hot.put(block)
+    assert hot.stats()["blocks"] == 3 and hot.stats()["evictions"] == 1
+    store = CacheStore(hot, None, 16)
+    assert store.directory.keys_with(Residency.HOT) == {b.key for b in blocks[1:]}
+    assert hot.lock is store.directory.lock
+    hot.clear()
+    assert entries(store.directory) == set()
+
+
+def test_the_directory_s_hot_and_ram_keys_follow_the_tiers_through_random_changes() -> None:
+    rng = random.Random(30)
+    pool = [device_block(i, nbytes=rng.choice((500, 1000, 1500)), fp=rng.choice(("m", "n"))) for i in range(16)]
+    store = CacheStore(HotTier(4000), None, 16, warm=HotTier(6000), demote_bound=2000)
+    store.own("m")
+    hot, warm, d = store.hot, store.warm, store.directory
+    assert warm is not None
+    ops = [
+        lambda b: hot.put(b, keep={rng.choice(pool).key}),
+        lambda b: hot.take(b.key),
+        lambda b: hot.discard(b.key),
+        lambda b: hot.shed(rng.choice((500, 3000))),
+        lambda b: hot.set_max_bytes(rng.choice((2000, 4000, 6000))),
+        lambda b: hot.discard_fingerprint(b.fingerprint),
+        lambda b: warm.put(HostBlock.of(b, copy=True)),
+        lambda b: warm.take(b.key),
+        lambda b: warm.set_max_bytes(rng.choice((3000, 6000))),
+        lambda b: store.demote("m", limit=rng.choice((1, 1 << 30)), due=True),
+        lambda b: store.reclaim(b.key),
+        lambda b: d.await_write(b),
+        lambda b: d.take_unwritten(b),
+        lambda b: store.clear() if rng.random() < 0.1 else None,
+    ]
+    for step in range(600):
+        rng.choice(ops)(rng.choice(pool))
+        in_hot = {b.key for b in pool if hot.contains(b.key)}
+        in_ram = {b.key for b in pool if warm.contains(b.key)}
+        assert d.keys_with(Residency.HOT) == in_hot and d.keys_with(Residency.RAM) == in_ram, step
+        waiting = d.keys_with(Residency.UNWRITTEN | Residency.LEAVING)
+        assert entries(d) == in_hot | in_ram | waiting, step  # no key left without a state
+        assert all(store.residency(b.key) == d.state(b.key) for b in pool)
+    store.clear()
+    assert entries(d) == set() and hot.stats()["bytes"] == 0 == warm.stats()["bytes"]
