@@ -230,12 +230,14 @@ def test_an_unknown_format_version_is_discarded_never_served(tmp_path: Path, mon
     tier.close()
 
 
-def test_the_restore_model_counts_a_whole_state_per_block_restored() -> None:
+def test_the_restore_model_counts_one_whole_state_per_restore() -> None:
     model = RestoreModel()
     model.block_size = 16
     model.learn_size(16 * 100 + 5000, 16, state_bytes=5000)
     assert model.bytes_per_token == 100 and model.state_bytes == 5000
-    assert model.restore_bytes(16) == 1600 + 5000 and model.restore_bytes(40) == 4000 + 3 * 5000
+    assert model.restore_bytes(16) == 1600 + 5000 and model.restore_bytes(40) == 4000 + 5000
+    assert model.restore_bytes(16 * 125) == 125 * 1600 + 5000  # the state is read once, whatever the run
+    assert model.restore_bytes(0) == 0
     again = RestoreModel()
     again.block_size = 16
     again.load(model.state())
@@ -279,7 +281,7 @@ def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
     model.block_size = 16
     model.learn_size(5000, 16, state_bytes=5000)  # mamba2: no KV at all
     model.learn_size(9999, 3, state_bytes=9999)  # learned once, from the first block seen
-    assert model.bytes_per_token == 0 and model.restore_bytes(32) == 10000
+    assert model.bytes_per_token == 0 and model.restore_bytes(32) == model.restore_bytes(3200) == 5000
     for n in (100, 200, 400):
         model.prefill.observe(n, 0, n * 0.01)
     model.ssd_rate.observe(10000, 10.0)  # 1 kB/s: far slower than recomputing 32 tokens (0.32 s)
