@@ -155,7 +155,7 @@ class TierRestore:
         tier whole; where no tier has that state any more, the restore ends a block earlier."""
         while parts and parts[-1][0].partial:
             block, used = parts[-1]
-            held = self.tiers.hot.get(block.key)  # kept whole by an earlier restore ending there
+            held = self.tiers.hot.peek(block.key)  # kept whole by an earlier restore ending there (not a lookup's hit or miss)
             if held is not None:
                 parts[-1] = (held, used)
                 continue
