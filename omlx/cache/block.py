@@ -17,11 +17,18 @@ from omlx.platform_info import discrete_gpu
 
 __all__ = [
     "CacheBlock", "HostBlock", "HostTensors", "checksum", "checksum_host", "checksum_matches", "dtype_name",
-    "from_host", "host_reads_move_buffers", "host_view", "packed", "packed_on_host", "staged_on_host", "to_host",
+    "from_host", "host_reads_move_buffers", "host_view", "is_state_tensor", "packed", "packed_on_host",
+    "staged_on_host", "to_host",
 ]
 
 # name -> (MLX dtype name, shape, the tensor's raw bytes as a flat uint8 array)
 HostTensors = dict[str, tuple[str, tuple[int, ...], np.ndarray]]
+
+
+def is_state_tensor(name: str) -> bool:
+    """Whether a block tensor is part of a stateful leaf's whole state (`layer_states`: a
+    rotating window or recurrent arrays), not a KV token range."""
+    return ".window." in name or ".arrays." in name
 
 
 @dataclass
@@ -36,6 +43,9 @@ class CacheBlock:
     token_count: int
     layer_types: list[str]
     tensors: dict[str, mx.array] = field(repr=False)
+    # only some of its tensors (a KV-only or state-only read): used for one restore, never kept
+    # by a tier as its key's block (docs/design/cache-kinds.md)
+    partial: bool = False
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -58,6 +68,12 @@ class HostBlock:
     layer_types: list[str]
     host: HostTensors = field(repr=False)
     staged: mx.array | None = field(default=None, repr=False, compare=False)
+    partial: bool = False  # as `CacheBlock.partial`
+
+    def part(self, state: bool) -> HostBlock:
+        """A partial view of this block: its state tensors (`state`) or its KV tensors alone."""
+        host = {name: t for name, t in self.host.items() if is_state_tensor(name) == state}
+        return HostBlock(self.key, self.parent, self.fingerprint, self.token_count, list(self.layer_types), host, partial=True)
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -73,7 +89,8 @@ class HostBlock:
         else:
             staged, host = None, packed_on_host(block.tensors) if host_reads_move_buffers() else to_host(block.tensors)
         return cls(
-            block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host, staged
+            block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), host, staged,
+            block.partial,
         )
 
     def to_block(self, *, move: bool = False) -> CacheBlock:
@@ -87,6 +104,7 @@ class HostBlock:
             token_count=self.token_count,
             layer_types=list(self.layer_types),
             tensors=from_host(self.host, whole=self.staged if move else None),
+            partial=self.partial,
         )
 
 
@@ -241,6 +259,8 @@ def _one_buffer(host: HostTensors) -> tuple[np.ndarray, list[int]] | None:
     addresses = [d.__array_interface__["data"][0] for d in datas]
     lo = min(addresses)
     hi = max(a + d.nbytes for a, d in zip(addresses, datas, strict=True))
+    if hi - lo > sum(d.nbytes for d in datas) + 8 * len(datas):  # a part of a block: not the rest's bytes too
+        return None
     starts = [a - lo for a in addresses]
     itemsizes = [_itemsize(dt) for dt, _, _ in host.values()]
     if any(start % size for start, size in zip(starts, itemsizes, strict=True)):

@@ -105,9 +105,11 @@ class HotTier:
         return 0 < self._max_bytes and nbytes <= self._max_bytes
 
     def put(self, block: CacheBlock, keep: frozenset[str] | set[str] = frozenset()) -> bool:
-        """Keep `block` as the most recently used, evicting the least recently used outside
-        `keep` to fit (to `on_evict`); False (the block itself goes to `on_evict`) when the tier
-        is off, the block exceeds its budget or only `keep` is left. A key present is refreshed."""
+        """Keep `block` as the most recently used, evicting the least recently used outside `keep` to
+        fit (to `on_evict`); False (the block itself goes to `on_evict`) when the tier is off, the block
+        exceeds its budget or only `keep` is left. A key present is refreshed; ValueError for a `partial` one."""
+        if getattr(block, "partial", False):
+            raise ValueError(f"block {block.key[:12]} holds only part of its tensors")
         size = block.nbytes
         evicted = []
         with self._lock:

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-from omlx.cache.block import CacheBlock
+from omlx.cache.block import CacheBlock, is_state_tensor
 from omlx.cache.cache_kinds import ARRAYS, KV, ROTATING, CacheKinds, flatten, regroup
 from omlx.cache.kv_layout import first_tokens, kv_cache
 
@@ -80,7 +80,7 @@ def block_tensors(kinds: CacheKinds, cache: list[Any], a: int, b: int, state: Sn
 
 def state_nbytes(tensors: dict[str, mx.array]) -> int:
     """Bytes of a block's whole-state tensors (what does not grow with its token count)."""
-    return sum(int(t.nbytes) for name, t in tensors.items() if ".window." in name or ".arrays." in name)
+    return sum(int(t.nbytes) for name, t in tensors.items() if is_state_tensor(name))
 
 
 def restore(kinds: CacheKinds, parts: list[tuple[CacheBlock, int]]) -> list[Any]:

@@ -145,11 +145,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         skipped = False  # a slower tier held more, and recomputing it was judged faster
         if warm is not None:
             # moved when the hot tier can keep the whole run, else copied (RAM keeps it): each
-            # way has its own rate (docs/design/restore-or-recompute.md)
+            # way has its own rate (docs/design/restore-or-recompute.md); a stateful model's KV copied
             run = self._run_in(keys, len(blocks), limit, warm.contains)
-            move = hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
+            move = self.kinds is None and hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
             got, skipped = self._restore_run(
-                run, len(blocks) * self.B, lambda part: (self._from_warm(key, move) for key in part),
+                run, len(blocks) * self.B, lambda part: self._from_warm_run(part, move),
                 self.warm_rate if move else self.warm_copy_rate, restored, chain,
             )  # fmt: skip
             blocks += got
@@ -163,6 +163,8 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
                 for rate, nbytes, seconds in restored
             ]
         parts = self._with_tail([(b, self.B) for b in blocks], keys, tokens, skipped)
+        if self.kinds is not None:  # a run read KV-only: its last block's state, alone
+            parts = self._with_last_state(parts, restored, chain)
         if not parts:
             return None, 0
         self._refresh_chain([block.key for block, _ in parts])
@@ -194,7 +196,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         tic = time.perf_counter()
         mx.eval([c.state for c in caches])
         extra = time.perf_counter() - tic
-        total = sum(nbytes for _, nbytes, _ in restored)
+        total = max(1, sum(nbytes for _, nbytes, _ in restored))  # a KV-only run of recurrent layers alone reads none
         for rate, nbytes, seconds in restored:
             rate.observe(nbytes, seconds + extra * nbytes / total)
         self._save_costs(force=True)
@@ -232,6 +234,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             # evaluated here, on this engine's thread: in the hot tier another model's thread
             # may be the next to touch it (`CacheStore._left_device`)
             mx.eval(list(block.tensors.values()))
+            self._learn_size(block)  # a whole block (a stateful model's tail may be the only one a restore reads)
             self.tiers.moved_in(block.nbytes)
             hot.put(block, keep=chain)
         return block

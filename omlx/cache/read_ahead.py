@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from omlx.cache.block import CacheBlock
 from omlx.cache.restore_model import log_judgement
+from omlx.cache.ssd_format import KV_PART
 
 log = logging.getLogger("omlx.cache")
 
@@ -80,20 +81,21 @@ class ReadAhead:
         # judged quietly: `lookup` decides again and logs what it does not find done ahead,
         # so each decision is logged once, here for the runs made ready ahead
         ram_why: tuple[Any, ...] | None = None
-        if ram_run:
-            pays, ram_why = self.costs.judge(len(ram_run) * self.B, start * self.B, self.warm_rate)
+        if ram_run:  # a stateful model's is copied in `lookup` (KV-only: cache-kinds.md), never moved ahead
+            rate = self.warm_rate if self.kinds is None else self.warm_copy_rate
+            pays, ram_why = self.costs.judge(len(ram_run) * self.B, start * self.B, rate)
             if not pays:
                 return None  # `lookup` recomputes from there: no SSD block is used either
         run, ssd_why = [], None
         if ssd is not None and self.ssd_rate.value is not None:
             run = self._run_in(keys, start + len(ram_run), limit, lambda k: ssd.contains(k, self.fp))
-        pays = len(run) * self.block_bytes >= PREFETCH_MIN_BYTES
+        pays = self.costs.restore_bytes(len(run) * self.B) >= PREFETCH_MIN_BYTES
         if pays:
             pays, ssd_why = self.costs.judge(len(run) * self.B, (start + len(ram_run)) * self.B, self.ssd_rate)
         if not pays:
             run = []
         block_bytes = self.block_bytes
-        if self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
+        if self.kinds is not None or self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
             ram_run = []  # unmeasured: `lookup` times a part of it first; small: in line is fine
         # no more than half the hot tier: moved deepest first, a larger run would push its own
         # deep blocks out again before `lookup`, which copies the rest in line
@@ -103,7 +105,7 @@ class ReadAhead:
         futures: list[Any] = []
         if run:
             try:
-                futures = ssd.read_ahead(run, self.fp)
+                futures = ssd.read_ahead(run, self.fp) if self.kinds is None else ssd.read_ahead(run, self.fp, part=KV_PART)
             except RuntimeError:  # its reader threads were stopped: `lookup` reads in line then
                 log.exception("reading prefix-cache blocks of %s ahead failed", self.model_id)
                 run = []

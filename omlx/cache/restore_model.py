@@ -76,20 +76,23 @@ class RestoreModel:
         )  # ... and copied from it (a run the hot tier cannot keep)
         self.bytes_per_token = 0
         # stateful layers (docs/design/cache-kinds.md): each block also holds their whole state,
-        # the same size at any length; `block_size` tokens per full block (0: no such layers)
+        # the same size at any length, and a restore reads only its last block's; `block_size`:
+        # tokens per full block (0: no such layers)
         self.state_bytes = 0
         self.block_size = 0
 
     def learn_size(self, nbytes: int, tokens: int, state_bytes: int = 0) -> None:
-        """The KV bytes per token and the bytes of a block's whole state, from the first block seen."""
+        """The KV bytes per token and the bytes of a block's whole state (`state_bytes` of its
+        `nbytes`), from the first whole block seen (never a partial read: it lacks a part)."""
         if not self.bytes_per_token and not self.state_bytes:
             self.bytes_per_token = (nbytes - state_bytes) // max(1, tokens)
             self.state_bytes = state_bytes
 
     def restore_bytes(self, n_tokens: int) -> int:
-        """What restoring `n_tokens` from a slower tier reads: their KV, and a state per block."""
-        blocks = -(-n_tokens // self.block_size) if self.block_size and self.state_bytes else 0
-        return n_tokens * self.bytes_per_token + blocks * self.state_bytes
+        """What restoring `n_tokens` from a slower tier reads: their KV, and one state (the last
+        block's, whatever the run's length) where the model has stateful layers."""
+        state = self.state_bytes if n_tokens > 0 and self.block_size else 0
+        return n_tokens * self.bytes_per_token + state
 
     def due_probe(self, rate: Throughput) -> bool:
         """Whether a restore from that tier times a part of its run first: the tier is stale

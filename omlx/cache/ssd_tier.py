@@ -25,6 +25,7 @@ from omlx.cache.ssd_files import (
     unlink,
 )
 from omlx.cache.ssd_format import (
+    ALL,
     FORMAT_VERSION,
     SUFFIX,
     TMP_MARK,
@@ -147,22 +148,22 @@ class SSDTier:
             for key in keys:
                 self._index.touch(key)
 
-    def get(self, key: str, fingerprint: str) -> CacheBlock | None:
-        """Load and verify one block as MLX arrays (call on the model's thread); None on a miss
-        or on any problem with the file, which is then deleted and counted in ``discarded``."""
-        read = self._read(key, fingerprint)
+    def get(self, key: str, fingerprint: str, part: str = ALL) -> CacheBlock | None:
+        """Load and verify one block (or its `ssd_format` part) as MLX arrays (model's thread); None on a
+        miss or on any problem with the file, which is then deleted and counted in ``discarded``."""
+        read = self._read(key, fingerprint, part=part)
         return read.to_block() if read is not None else None
 
-    def get_many(self, keys: Sequence[str], fingerprint: str) -> list[CacheBlock | None]:
+    def get_many(self, keys: Sequence[str], fingerprint: str, part: str = ALL) -> list[CacheBlock | None]:
         """``get`` for several keys: files read and verified in parallel (no MLX on the
         reader threads), arrays made here; results in the order of ``keys``."""
-        reads = self._reads.map(lambda k: self._read(k, fingerprint), keys)
+        reads = self._reads.map(lambda k: self._read(k, fingerprint, part=part), keys)
         return [r.to_block() if r is not None else None for r in reads]
 
-    def read_ahead(self, keys: Sequence[str], fingerprint: str) -> list[Future[TimedRead]]:
+    def read_ahead(self, keys: Sequence[str], fingerprint: str, part: str = ALL) -> list[Future[TimedRead]]:
         """Start reading and verifying blocks (bytes only) on threads of their own, so that
         `get_many` never queues behind them; each future gives a `TimedRead` (block None as `get`)."""
-        return self._reads.ahead(keys, lambda k: self._timed_read(k, fingerprint), shared=True)
+        return self._reads.ahead(keys, lambda k: self._timed_read(k, fingerprint, part=part), shared=True)
 
     def read_unmarked(self, keys: Sequence[str], fingerprint: str) -> list[Future[TimedRead]]:
         """`read_ahead` for a measurement of this disk (`PrefixCache.probe_idle`): the same
@@ -170,9 +171,9 @@ class SSDTier:
         so a timing leaves the LRU order and the statistics as they were."""
         return self._reads.ahead(keys, lambda k: self._timed_read(k, fingerprint, False), shared=False)
 
-    def _timed_read(self, key: str, fingerprint: str, mark: bool = True) -> TimedRead:
+    def _timed_read(self, key: str, fingerprint: str, mark: bool = True, part: str = ALL) -> TimedRead:
         tic = time.perf_counter()
-        block = self._read(key, fingerprint, mark)
+        block = self._read(key, fingerprint, mark, part)
         return TimedRead(block, tic, time.perf_counter())
 
     def recent_keys(self, fingerprint: str, n: int) -> list[str]:
@@ -190,8 +191,8 @@ class SSDTier:
         with self._lock:
             return len(self._index)
 
-    def _read(self, key: str, fingerprint: str, mark: bool = True) -> HostBlock | None:
-        """`mark`: count the hit or miss and mark the block used (a request's read)."""
+    def _read(self, key: str, fingerprint: str, mark: bool = True, part: str = ALL) -> HostBlock | None:
+        """`mark`: count the hit or miss and mark the block used (a request's read); `part`: what of it."""
         if not self.enabled or not is_key(key):
             return None
         path = self.path_for(key)
@@ -201,7 +202,7 @@ class SSDTier:
                 self._counters["misses"] += mark
                 return None
         try:
-            read, size = self._load(path, key, fingerprint)
+            read, size = self._load(path, key, fingerprint, *(() if part == ALL else (part,)))  # a whole read as it was
         except FileNotFoundError:
             self._forget(key)
             with self._lock:
@@ -229,9 +230,9 @@ class SSDTier:
                 self._index.add(key, size, fingerprint)
         return read
 
-    def _load(self, path: Path, key: str, fingerprint: str) -> tuple[HostBlock, int]:
-        """Read a whole block file and verify it (`ssd_format.load_block`); tests replace this."""
-        return load_block(path, key, fingerprint)
+    def _load(self, path: Path, key: str, fingerprint: str, part: str = ALL) -> tuple[HostBlock, int]:
+        """Read a block file (or a part of it) and verify it (`ssd_format.load_block`); tests replace this."""
+        return load_block(path, key, fingerprint, part)
 
     # ------------------------------------------------------------------ writes
 

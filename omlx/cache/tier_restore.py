@@ -1,16 +1,18 @@
 """Restoring a run of blocks from a slower tier (RAM or SSD) into the hot tier, timed for the
-restore model; a tier never measured is probed on a part of the run first. Mixed into
-`PrefixCache`."""
+restore model; a tier never measured is probed on a part of the run first; a stateful model's
+run is read KV-only but its last block (docs/design/cache-kinds.md). Mixed into `PrefixCache`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import mlx.core as mx
 
 from omlx.cache.block import CacheBlock
 from omlx.cache.restore_model import Throughput
+from omlx.cache.ssd_format import KV_PART, STATE_PART
 
 
 def use_on_device(blocks: list[CacheBlock]) -> None:
@@ -89,8 +91,8 @@ class TierRestore:
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         chain: frozenset[str] = frozenset(),
     ) -> tuple[list[CacheBlock], float]:
-        """Restore `run` (up to the first block that has gone) and promote it to hot; the
-        seconds include the promotion, which may push other blocks (none of `chain`) down a tier."""
+        """Restore `run` (up to the first block that has gone) and promote it to hot (not a `partial`
+        read); the seconds include the promotion, which may push other blocks (none of `chain`) down."""
         tic = time.perf_counter()
         got = []
         for block in fetch(run):
@@ -99,9 +101,11 @@ class TierRestore:
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-            self._learn_size(got[0])
-            self.tiers.moved_in(sum(b.nbytes for b in got))
-            for block in got:
+        whole = [b for b in got if not b.partial]  # a KV-only read serves this restore alone
+        if whole:
+            self._learn_size(whole[0])
+            self.tiers.moved_in(sum(b.nbytes for b in whole))
+            for block in whole:
                 self.tiers.hot.put(block, keep=chain)
         return got, time.perf_counter() - tic
 
@@ -119,7 +123,10 @@ class TierRestore:
             j = i
             while j < len(run) and not self.tiers.directory.is_staged(run[j]):
                 j += 1
-            yield from self.tiers.ssd.get_many(run[i:j], self.fp)
+            if self.kinds is None:
+                yield from self.tiers.ssd.get_many(run[i:j], self.fp)
+            else:  # a stateful model's blocks KV-only: `_with_last_state` reads the one state used
+                yield from self.tiers.ssd.get_many(run[i:j], self.fp, part=KV_PART)
             i = j
 
     def _from_warm(self, key: str, move: bool) -> CacheBlock | None:
@@ -130,3 +137,48 @@ class TierRestore:
         move = move and not (ssd is not None and ssd.writing(key))
         held = warm.take(key) if move else warm.get(key)
         return held.to_block(move=move) if held is not None else None
+
+    def _from_warm_run(self, run: list[str], move: bool) -> Iterable[CacheBlock | None]:
+        """`run` from host RAM (`_from_warm`); a stateful model's blocks as copies of their KV
+        tensors alone (RAM keeps them whole: the state arrays never reach the device)."""
+        for key in run:
+            if self.kinds is None:
+                yield self._from_warm(key, move)
+            else:
+                held = self.tiers.warm.get(key)
+                yield held.part(state=False).to_block() if held is not None else None
+
+    def _with_last_state(
+        self, parts: list[tuple[CacheBlock, int]], restored: list[tuple[Throughput, int, float]], chain: frozenset[str]
+    ) -> list[tuple[CacheBlock, int]]:
+        """`parts` whose last block, read KV-only, gets its state (read alone) and goes to the hot
+        tier whole; where no tier has that state any more, the restore ends a block earlier."""
+        while parts and parts[-1][0].partial:
+            block, used = parts[-1]
+            held = self.tiers.hot.peek(block.key)  # kept whole by an earlier restore ending there (not a lookup's hit or miss)
+            if held is not None:
+                parts[-1] = (held, used)
+                continue
+            tic = time.perf_counter()
+            state, rate = self._state_of(block.key)
+            if state is None:
+                parts.pop()
+                continue
+            whole = replace(block, tensors={**block.tensors, **state.tensors}, partial=False)
+            mx.eval(list(state.tensors.values()))
+            restored.append((rate, state.nbytes, time.perf_counter() - tic))
+            self._learn_size(whole)
+            self.tiers.moved_in(whole.nbytes)
+            self.tiers.hot.put(whole, keep=chain)
+            parts[-1] = (whole, used)
+        return parts
+
+    def _state_of(self, key: str) -> tuple[CacheBlock | None, Throughput | None]:
+        """A block's state tensors alone, from RAM or else the SSD, with that tier's rate; (None, None)
+        where neither has the block (or its file fails its state's checksum: discarded)."""
+        warm, ssd = self.tiers.warm, self.tiers.ssd
+        held = warm.peek(key) if warm is not None else None
+        if held is not None:
+            return held.part(state=True).to_block(), self.warm_copy_rate
+        got = ssd.get(key, self.fp, part=STATE_PART) if ssd is not None else None
+        return (got, self.ssd_rate) if got is not None else (None, None)

@@ -1,6 +1,6 @@
 """Cache kinds without a model run: detection from mlx-lm cache classes, the fingerprint, the
-block format version (3 for stateful blocks; 1 and 2 still read; others discarded), the
-factory's choice, the engine's capture points, and the restore model's state bytes."""
+block format version (4 for stateful blocks, each part read and verified alone; 1 to 3 still
+read; others discarded), the factory's choice, the capture points, the restore model's state bytes."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from mlx_lm.models.cache import (
 )
 
 from omlx.cache import ssd_format
-from omlx.cache.block import CacheBlock
+from omlx.cache.block import CacheBlock, HostBlock, checksum_host
 from omlx.cache.cache_kinds import cache_kinds, flatten, regroup
 from omlx.cache.hot_tier import HotTier
 from omlx.cache.interface import NoCache
@@ -99,26 +99,118 @@ def header(path: Path) -> dict:
     return json.loads(raw[8 : 8 + n])
 
 
-def test_stateful_blocks_are_format_3_and_come_back_with_their_kinds(tmp_path: Path) -> None:
+def test_stateful_blocks_are_format_4_and_come_back_with_their_kinds(tmp_path: Path) -> None:
     block = stateful_block(0)
     tier = SSDTier(tmp_path, 1 << 30)
     assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
-    assert header(tier.path_for(block.key))["__metadata__"]["format_version"] == "3"
+    meta = header(tier.path_for(block.key))["__metadata__"]
+    assert meta["format_version"] == "4" and meta["checksum"] != meta["state_checksum"]
     tier.close()
-    tier = SSDTier(tmp_path, 1 << 30)  # re-indexed at start: format 3 is readable
+    tier = SSDTier(tmp_path, 1 << 30)  # re-indexed at start: format 4 is readable
     assert tier.wait_ready(10) and tier.contains(block.key, FP)
     read = tier.get(block.key, FP)
-    assert read is not None and read.layer_types == ["kv", "arrays:2"]
+    assert read is not None and read.layer_types == ["kv", "arrays:2"] and not read.partial
     assert all(mx.array_equal(read.tensors[n], t).item() for n, t in block.tensors.items())
+    kv, state = tier.get(block.key, FP, part="kv"), tier.get(block.key, FP, part="state")
+    assert sorted(kv.tensors) == ["0.keys", "0.values"] and sorted(state.tensors) == ["1.arrays.0", "1.arrays.1"]
+    assert kv.partial and state.partial and kv.token_count == 16
+    assert all(mx.array_equal(p.tensors[n], block.tensors[n]).item() for p in (kv, state) for n in p.tensors)
     tier.close()
 
 
-def test_a_build_that_knows_only_formats_1_and_2_discards_format_3(tmp_path: Path, monkeypatch) -> None:
+def test_plain_kv_blocks_keep_format_2_and_one_checksum() -> None:
+    tensors = {"0.keys": mx.ones((1, 2, 16, 8)), "0.values": mx.zeros((1, 2, 16, 8))}
+    block = HostBlock.of(CacheBlock("b" * 64, None, FP, 16, ["kv"], tensors), copy=False)
+    assert ssd_format.block_metadata(block) == {
+        "format_version": "2", "key": "b" * 64, "parent": "", "token_count": "16", "fingerprint": FP,
+        "layer_types": '["kv"]', "checksum": checksum_host(block.host),
+    }  # fmt: skip
+
+
+def write_format_3(tier: SSDTier, block: CacheBlock) -> Path:
+    """`block` as a build before format 4 wrote it: one checksum over every tensor."""
+    host = HostBlock.of(block, copy=False)
+    meta = ssd_format.block_metadata(host)
+    meta.update(format_version="3", checksum=checksum_host(host.host))
+    del meta["state_checksum"]
+    path = tier.path_for(block.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(ssd_format.serialized(host.host, meta))
+    return path
+
+
+def test_format_3_files_still_load_whole_and_by_part(tmp_path: Path) -> None:
+    block = stateful_block(3)
+    write_format_3(SSDTier(tmp_path, 0), block)
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10) and tier.contains(block.key, FP)
+    whole, kv = tier.get(block.key, FP), tier.get(block.key, FP, part="kv")
+    assert sorted(whole.tensors) == sorted(block.tensors) and sorted(kv.tensors) == ["0.keys", "0.values"]
+    assert all(mx.array_equal(whole.tensors[n], t).item() for n, t in block.tensors.items())
+    assert tier.stats()["discarded"] == 0
+    tier.close()
+
+
+def flip(path: Path, name: str) -> None:
+    """Invert the bytes of tensor `name` in a block file."""
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    start, stop = header(path)[name]["data_offsets"]
+    raw[8 + n + start : 8 + n + stop] = bytes(b ^ 0xFF for b in raw[8 + n + start : 8 + n + stop])
+    path.write_bytes(bytes(raw))
+
+
+def test_a_part_read_takes_only_its_bytes_and_verifies_them(tmp_path: Path, monkeypatch) -> None:
+    block = stateful_block(4, tokens=64)
+    tier = SSDTier(tmp_path, 1 << 30)
+    assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
+    path = tier.path_for(block.key)
+    counted: list[int] = []
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, *a):
+            data = self.f.read(*a)
+            counted.append(len(data))
+            return data
+
+        def readinto(self, buf):
+            counted.append(self.f.readinto(buf))
+            return counted[-1]
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(ssd_format, "open", lambda *a: Counting(open(*a)), raising=False)
+    head = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+    state = sum(int(t.nbytes) for n, t in block.tensors.items() if ".arrays." in n)
+    for part, nbytes in (("kv", block.nbytes - state), ("state", state), ("all", block.nbytes)):
+        counted.clear()
+        assert tier.get(block.key, FP, part=part) is not None
+        assert sum(counted) == head + nbytes, part  # the header and that part's tensors, nothing else
+    flip(path, "1.arrays.1")  # a state tensor damaged: the KV part still verifies
+    assert tier.get(block.key, FP, part="kv") is not None and tier.stats()["discarded"] == 0
+    assert tier.get(block.key, FP, part="state") is None and tier.stats()["discarded"] == 1
+    assert tier.put(block) and tier.flush(10)
+    flip(path, "0.values")  # a KV tensor damaged: found by a KV read
+    assert tier.get(block.key, FP, part="kv") is None and tier.stats()["discarded"] == 2
+    tier.close()
+
+
+def test_a_build_that_knows_only_formats_1_to_3_discards_format_4(tmp_path: Path, monkeypatch) -> None:
     block = stateful_block(1)
     tier = SSDTier(tmp_path, 1 << 30)
     assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
     tier.close()
-    monkeypatch.setattr(ssd_format, "READABLE_FORMATS", ("1", "2"))
+    monkeypatch.setattr(ssd_format, "READABLE_FORMATS", ("1", "2", "3"))
     tier = SSDTier(tmp_path, 1 << 30)
     assert tier.wait_ready(10)
     assert not tier.contains(block.key, FP) and tier.stats()["discarded"] == 1
@@ -127,7 +219,7 @@ def test_a_build_that_knows_only_formats_1_and_2_discards_format_3(tmp_path: Pat
 
 def test_an_unknown_format_version_is_discarded_never_served(tmp_path: Path, monkeypatch) -> None:
     block = stateful_block(2)
-    monkeypatch.setattr(ssd_format, "STATEFUL_FORMAT_VERSION", "4")  # a later build's file
+    monkeypatch.setattr(ssd_format, "STATEFUL_FORMAT_VERSION", "5")  # a later build's file
     tier = SSDTier(tmp_path, 1 << 30)
     assert tier.wait_ready(10) and tier.put(block) and tier.flush(10)
     tier.close()
@@ -138,12 +230,14 @@ def test_an_unknown_format_version_is_discarded_never_served(tmp_path: Path, mon
     tier.close()
 
 
-def test_the_restore_model_counts_a_whole_state_per_block_restored() -> None:
+def test_the_restore_model_counts_one_whole_state_per_restore() -> None:
     model = RestoreModel()
     model.block_size = 16
     model.learn_size(16 * 100 + 5000, 16, state_bytes=5000)
     assert model.bytes_per_token == 100 and model.state_bytes == 5000
-    assert model.restore_bytes(16) == 1600 + 5000 and model.restore_bytes(40) == 4000 + 3 * 5000
+    assert model.restore_bytes(16) == 1600 + 5000 and model.restore_bytes(40) == 4000 + 5000
+    assert model.restore_bytes(16 * 125) == 125 * 1600 + 5000  # the state is read once, whatever the run
+    assert model.restore_bytes(0) == 0
     again = RestoreModel()
     again.block_size = 16
     again.load(model.state())
@@ -187,7 +281,7 @@ def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
     model.block_size = 16
     model.learn_size(5000, 16, state_bytes=5000)  # mamba2: no KV at all
     model.learn_size(9999, 3, state_bytes=9999)  # learned once, from the first block seen
-    assert model.bytes_per_token == 0 and model.restore_bytes(32) == 10000
+    assert model.bytes_per_token == 0 and model.restore_bytes(32) == model.restore_bytes(3200) == 5000
     for n in (100, 200, 400):
         model.prefill.observe(n, 0, n * 0.01)
     model.ssd_rate.observe(10000, 10.0)  # 1 kB/s: far slower than recomputing 32 tokens (0.32 s)

@@ -1622,3 +1622,42 @@ def test_past_the_bound_a_block_the_ssd_holds_is_let_go_uncopied(tmp_path: Path,
     _, n = cache.lookup(tokens)
     assert n == 6 * B - 1
     ssd.close()
+
+
+def test_a_stateful_ssd_run_is_judged_and_charged_with_one_state(tmp_path: Path, monkeypatch) -> None:
+    from mlx_lm.models.cache import ArraysCache
+
+    from omlx.cache.cache_kinds import cache_kinds
+
+    kinds, _ = cache_kinds([KVCache(), ArraysCache(size=1)])
+    fp = "e" * 64
+
+    def open_stateful() -> PrefixCache:
+        ssd = SSDTier(tmp_path, 1 << 30)
+        assert ssd.wait_ready(10)
+        return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), fp, 2, "m", kinds=kinds)
+
+    tokens = list(range(10, 10 + 8 * B))
+    cache = open_stateful()
+    arrays = ArraysCache(size=1)
+    arrays.cache = [mx.ones((1, 64, 64))]  # 16 kB of state in every block, against 2 kB of KV
+    layers = [kv(8 * B)[0], arrays]
+    snap = cache.snapshot(layers)
+    cache.store(tokens, layers, final=True, boundary_states={(i + 1) * B: snap for i in range(8)})
+    while cache.write_back(idle=True):
+        pass
+    cache.tiers.ssd.close()
+    kv_bytes, state_bytes = 8 * 2 * (2 * B * 8 * 4), 64 * 64 * 4
+    cache = open_stateful()
+    cache.costs.learn_size(kv_bytes // 8 + state_bytes, B, state_bytes)
+    assert cache.costs.restore_bytes(8 * B) == kv_bytes + state_bytes
+    cache.prefill.observe(8 * B, 0, 1.0)  # recomputing the run: 1 s
+    cache.ssd_rate.observe(65536, 1.0)  # 64 kB/s: KV and one state in 0.5 s; a state per block would take 2.25 s
+    observed: list[float] = []
+    real = cache.ssd_rate.observe
+    monkeypatch.setattr(cache.ssd_rate, "observe", lambda amount, seconds: observed.append(amount) or real(amount, seconds))
+    caches, n = cache.lookup(tokens + [1])
+    assert n == 8 * B and cache.tiers.counters.skipped_restores == 0
+    assert sum(observed) == kv_bytes + state_bytes  # the rate learns what was read: the KV and one state
+    assert mx.array_equal(caches[1].cache[0], snap["1.arrays.0"]).item()
+    cache.tiers.ssd.close()

@@ -110,6 +110,30 @@ def test_the_size_is_learnt_from_the_first_block_only() -> None:
     assert model.bytes_per_token == 256
 
 
+def test_a_stateful_run_reads_one_state_whatever_its_length() -> None:
+    model = model_of(1e-3, bytes_per_token=100)
+    model.block_size = 16
+    model.state_bytes = 50_000  # a whole recurrent state, in every block
+    assert [model.restore_bytes(16 * n) for n in (1, 10, 125)] == [1_600 + 50_000, 16_000 + 50_000, 200_000 + 50_000]
+    model.ssd_rate.observe(100_000, 1.0)  # 100 kB/s
+    # one block: 0.52 s to restore against 0.016 s to recompute; ten blocks: 0.66 s against 0.16 s;
+    # 125 blocks: 2.5 s against 2 s, all recomputed here; at 1 MB/s the long run restores (0.25 s)
+    # where the short one still recomputes (0.05 s), as a state per block (6.45 s for 125 blocks) would not
+    assert not any(model.judge(16 * n, 0, model.ssd_rate)[0] for n in (1, 10, 125))
+    model.ssd_rate.forget()
+    model.ssd_rate.observe(1_000_000, 1.0)
+    assert model.judge(16 * 125, 0, model.ssd_rate)[0] and not model.judge(16, 0, model.ssd_rate)[0]
+    assert (16 * 125 * 100 + 125 * 50_000) / 1e6 > RESTORE_MARGIN * model.prefill.seconds(16 * 125, 0)
+
+
+def test_the_state_s_size_is_learnt_apart_from_the_kv_s() -> None:
+    model = RestoreModel("m")
+    model.block_size = 16
+    model.learn_size(16 * 100 + 50_000, 16, state_bytes=50_000)  # a whole block
+    assert model.bytes_per_token == 100 and model.state_bytes == 50_000
+    assert model.restore_bytes(32) == 3_200 + 50_000
+
+
 def test_the_debug_line_names_the_tier_and_the_verdict(caplog: pytest.LogCaptureFixture) -> None:
     model = model_of(1e-3)
     model.warm_copy_rate.observe(1e6, 10.0)
