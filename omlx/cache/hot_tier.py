@@ -43,8 +43,8 @@ class HotTier:
         the directory's lock from now on (a `CacheStore`'s tiers share both); before use."""
         with directory.lock:
             self._lock, self._directory, self._state = directory.lock, directory, state
-            for key in self._blocks:
-                directory.mark(key, state)
+            for key, block in self._blocks.items():
+                directory.mark(key, state | Residency.KV_ONLY if getattr(block, "partial", False) else state)
 
     @property
     def max_bytes(self) -> int:
@@ -105,36 +105,48 @@ class HotTier:
         return 0 < self._max_bytes and nbytes <= self._max_bytes
 
     def put(self, block: CacheBlock, keep: frozenset[str] | set[str] = frozenset()) -> bool:
-        """Keep `block` as the most recently used, evicting the least recently used outside `keep` to
-        fit (to `on_evict`); False (the block itself goes to `on_evict`) when the tier is off, the block
-        exceeds its budget or only `keep` is left. A key present is refreshed; ValueError for a `partial` one."""
-        if getattr(block, "partial", False):
+        """Keep `block` as the most recently used, evicting the least recently used outside `keep` to fit
+        (to `on_evict`); False (`block` to `on_evict`) when the tier is off, it exceeds the budget or only
+        `keep` is left. A key present is refreshed; a whole block replaces a KV-only (`partial`) one."""
+        partial = getattr(block, "partial", False)
+        if partial and self._state == Residency.RAM:  # RAM keeps whole blocks only
             raise ValueError(f"block {block.key[:12]} holds only part of its tensors")
         size = block.nbytes
         evicted = []
         with self._lock:
+            held = self._blocks.get(block.key)
+            if held is not None and (partial or not getattr(held, "partial", False)):
+                self._blocks.move_to_end(block.key)
+                return True
             if not self.can_hold(size):
                 stored = False
                 evicted.append(block)
-            elif block.key in self._blocks:
-                self._blocks.move_to_end(block.key)
-                return True
             else:
+                old = self._pop(block.key) if held is not None else None  # a KV-only copy, upgraded: dropped
                 victims = self._victims(size, keep)
                 stored = victims is not None
                 if victims is None:
                     evicted.append(block)
+                    if old is not None:  # the whole block does not fit: the KV-only copy stays
+                        self._insert(old)
                 else:
                     for old_key in victims:
                         self._evictions += 1
                         evicted.append(self._pop(old_key))
-                    self._blocks[block.key] = block
-                    self._sizes[block.key] = size
-                    self._bytes += size
-                    if self._directory is not None:
-                        self._directory.mark(block.key, self._state)
+                    self._insert(block)
         self._hand_over(evicted)
         return stored
+
+    def _insert(self, block: CacheBlock) -> None:
+        """Hold `block` (absent) as the most recently used, its state recorded (caller holds the lock);
+        a `partial` (KV-only) block is marked KV_ONLY beside HOT: docs/design/cache-kinds.md."""
+        size = block.nbytes
+        self._blocks[block.key] = block
+        self._sizes[block.key] = size
+        self._bytes += size
+        if self._directory is not None:
+            kv_only = getattr(block, "partial", False)
+            self._directory.mark(block.key, self._state | Residency.KV_ONLY if kv_only else self._state)
 
     def _victims(self, size: int, keep: frozenset[str] | set[str]) -> list[str] | None:
         """Least recently used keys outside ``keep`` whose eviction makes room for ``size``
@@ -165,7 +177,7 @@ class HotTier:
         if block is not None:
             self._bytes -= self._sizes.pop(key)
             if self._directory is not None:
-                self._directory.unmark(key, self._state)
+                self._directory.unmark(key, self._state | Residency.KV_ONLY if getattr(block, "partial", False) else self._state)
         return block
 
     def discard_fingerprint(self, fingerprint: str) -> int:

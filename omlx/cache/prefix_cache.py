@@ -1,6 +1,6 @@
 """One model's prefix cache (`PrefixCacheInterface`): find, restore and store its blocks, full
 ones and each sequence's unfinished tail, over the tiers every model shares; its parts are
-`tier_restore`, `read_ahead`, `write_back`, `idle_probe`, `tail_lookup`, `layer_states` ..."""
+`tier_restore`, `read_ahead`, `write_back`, `idle_probe`, `tail_lookup`, `stateful_layers` ..."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from omlx.cache.kv_layout import (
 from omlx.cache.model_shapes import attention_ratio
 from omlx.cache.read_ahead import ReadAhead
 from omlx.cache.restore_model import RestoreModel, Throughput
+from omlx.cache.stateful_layers import StatefulLayers
 from omlx.cache.store import CacheStore
 from omlx.cache.tail_index import TailIndex
 from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS, TailLookup
@@ -47,7 +48,7 @@ log = logging.getLogger("omlx.cache")
 __all__ = ["MIN_TAIL_ONLY_TOKENS", "PrefixCache", "make_prefix_cache"]
 
 
-class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
+class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, StatefulLayers):
     """One model's prefix cache over the shared tiers (`PrefixCacheInterface`)."""
 
     grid = 0  # the engine's prefill grid (`PrefixCacheInterface.grid`)
@@ -141,6 +142,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         chain = frozenset(keys)  # what a lookup brings into the hot tier pushes out none of these
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         blocks = self._device_run(keys, limit, chain)
+        held = sum(b.nbytes for b in blocks) if self.kinds is not None else 0  # a hot chain's KV (`_charge_restores`)
         restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
         skipped = False  # a slower tier held more, and recomputing it was judged faster
         if warm is not None:
@@ -170,7 +172,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         self._refresh_chain([block.key for block, _ in parts])
         caches = join_blocks(parts, self.num_layers) if self.kinds is None else layer_states.restore(self.kinds, parts)
         if restored:
-            self._charge_restores(caches, restored)
+            self._charge_restores(caches, restored, held)
         return caches, sum(used for _, used in parts)
 
     def _device_run(self, keys: list[str], limit: int, chain: frozenset[str]) -> list[CacheBlock]:
@@ -189,14 +191,14 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             blocks.append(block)
         return blocks
 
-    def _charge_restores(self, caches: list[Any], restored: list[tuple[Throughput, int, float]]) -> None:
-        """The model's cache built from restored blocks is where their cost ends (on a CUDA GPU
-        the first device use of host-written memory migrates it): that time goes into each
-        tier's restore time, shared by bytes, not into the prefill that follows."""
+    def _charge_restores(self, caches: list[Any], restored: list[tuple[Throughput, int, float]], held: int = 0) -> None:
+        """The model's cache built from restored blocks is where their cost ends (on a CUDA GPU the first
+        device use of host-written memory migrates it): that time goes into each tier's restore time,
+        shared by bytes, not into the prefill; `held` bytes from device memory take their share unbilled."""
         tic = time.perf_counter()
         mx.eval([c.state for c in caches])
         extra = time.perf_counter() - tic
-        total = max(1, sum(nbytes for _, nbytes, _ in restored))  # a KV-only run of recurrent layers alone reads none
+        total = max(1, held + sum(nbytes for _, nbytes, _ in restored))  # a KV-only run of recurrent layers alone reads none
         for rate, nbytes, seconds in restored:
             rate.observe(nbytes, seconds + extra * nbytes / total)
         self._save_costs(force=True)
@@ -217,7 +219,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         if hot.contains(key):
             block = hot.get(key)
-            if block is not None:
+            if block is not None and not block.partial:  # a KV-only copy: the whole block from below
                 return block
         block = self._on_device(key)  # device memory still, though the hot tier let it go
         if block is not None:
@@ -262,14 +264,14 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
         # straight back to RAM: when RAM holds it, recomputing its tokens needs no new copy.
         ram_is_enough = self._only_ram_keeps_blocks()
 
-        def known(key: str) -> bool:
+        def known(key: str) -> bool:  # a whole copy somewhere (a KV-only hot copy: `_states_at_ends`)
             return (
-                self._in_device_memory(key)
+                self._in_device_memory(key, whole=True)
                 or (ram_is_enough and warm.contains(key))
                 or (ssd is not None and (ssd.writing(key) or ssd.contains(key, self.fp)))
             )
 
-        if start and keys and not known(keys[0]):  # cleared, or let go meanwhile: the rest would hang off nothing
+        if start and keys and not (known(keys[0]) or self._kv_only(keys[0])):  # cleared, or let go meanwhile: the rest would hang off nothing
             return 0
         chain, new = self._chain_and_new(tokens, keys, start, known)
         rest = 0
@@ -367,43 +369,6 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup):
             key=key, parent=parent, fingerprint=self.fp, token_count=token_count,
             layer_types=["kv"] * self.num_layers if self.kinds is None else self.kinds.tags(), tensors=tensors,
         )  # fmt: skip
-
-    # ----- stateful layers (docs/design/cache-kinds.md) ------------------------------
-    def _learn_size(self, block: CacheBlock) -> None:
-        """The restore model's sizes from a block: KV bytes per token, and its whole state's bytes."""
-        self.costs.learn_size(block.nbytes, block.token_count, layer_states.state_nbytes(block.tensors))
-
-    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
-        """The token indices where a prefill chunk must end for `snapshot`: the block boundaries
-        after `cached` and before the prompt's last token; none for a plain-KV model."""
-        if self.kinds is None:
-            return []
-        return list(range((cached // self.B + 1) * self.B, prompt_len, self.B))
-
-    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
-        """The state of `cache`'s stateful layers at its current length (a batch of one, or `row` of
-        a batch cache), for `store`'s `boundary_states` keyed by that length; None for plain KV."""
-        return None if self.kinds is None else layer_states.snapshot(self.kinds, cache, row)
-
-    def _cache_length(self, cache: list[Any], n_tokens: int) -> int:
-        """Tokens `cache` holds: its first attention leaf's offset; `n_tokens` when it has none."""
-        return next((int(leaf.offset) for leaf in flatten(cache) if hasattr(leaf, "offset")), n_tokens if cache else 0)
-
-    def _states_at_ends(
-        self, new: list[tuple[str, str | None, int, int]], cache: list[Any], length: int, given: dict[int, Any]
-    ) -> tuple[list[tuple[str, str | None, int, int]], dict[int, Any]]:
-        """`new` up to the first block whose end has no complete state (`given`, or `cache` itself
-        at its `length` when its layers tell it): a chain with a hole serves nothing after it."""
-        states: dict[int, Any] = {}
-        tells = any(hasattr(leaf, "offset") for leaf in flatten(cache))  # else `length` is the caller's word
-        for i, (_, _, _, end) in enumerate(new):
-            state = given.get(end)
-            if state is None and tells and end == length:
-                state = layer_states.snapshot(self.kinds, cache)
-            if not layer_states.complete(self.kinds, state):
-                return new[:i], states
-            states[end] = state
-        return new, states
 
     def close(self, timeout: float) -> None:
         """At engine shutdown: copy to RAM this model's evicted blocks, hand the SSD writer what

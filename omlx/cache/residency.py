@@ -1,6 +1,6 @@
 """Where each block is: one `Residency` per key (`CacheStore.residency`) in one `BlockDirectory`
-under one lock, the tiers recording theirs (hot HOT and RAM RAM: `HotTier.join`; the SSD tier
-WRITING and SSD); callers deciding on several states hold `lock` (reentrant)."""
+under one lock, the tiers recording theirs (hot HOT and KV_ONLY, RAM RAM: `HotTier.join`; the SSD
+tier WRITING and SSD); callers deciding on several states hold `lock` (reentrant)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class Residency(enum.Flag):
 
     NONE = 0
     HOT = enum.auto()  # in the hot tier (device memory, within its budget)
+    KV_ONLY = enum.auto()  # with HOT: the hot copy lacks its state (a KV-only read: cache-kinds.md)
     RAM = enum.auto()  # in the RAM tier (host memory)
     WRITING = enum.auto()  # queued for the SSD writer or being written
     SSD = enum.auto()  # a file of the SSD tier
@@ -30,7 +31,8 @@ class Residency(enum.Flag):
 
 ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.LEAVING  # device memory holds it
 SSD_STATES = Residency.WRITING | Residency.SSD  # the SSD tier's, recorded by it (`SSDTier`, `SSDIndex`)
-TIER_STATES = Residency.HOT | Residency.RAM | SSD_STATES  # recorded by the tiers (`mark`), dropped by their `clear`
+HOT_STATES = Residency.HOT | Residency.KV_ONLY  # the hot tier's, recorded by it (`HotTier.join`)
+TIER_STATES = HOT_STATES | Residency.RAM | SSD_STATES  # recorded by the tiers (`mark`), dropped by their `clear`
 
 
 @dataclass
@@ -237,7 +239,7 @@ class BlockDirectory:
             for key in [k for k in self._staged if self._entries[k].staged.fingerprint == fingerprint]:  # type: ignore[union-attr]
                 self.unstage(key)
 
-    # ----- the tiers' states (`HotTier`: HOT, RAM; `SSDTier`: WRITING; `SSDIndex`: SSD) -----
+    # ----- the tiers' states (`HotTier`: HOT, KV_ONLY, RAM; `SSDTier`: WRITING; `SSDIndex`: SSD) -----
     def mark(self, key: str, state: Residency) -> None:
         """Add one of the tiers' states (`TIER_STATES`) to `key`'s."""
         assert not state & ~TIER_STATES, state

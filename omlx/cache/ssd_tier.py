@@ -249,6 +249,8 @@ class SSDTier:
         """Queue ``block`` for writing (a ``CacheBlock`` is viewed as bytes here, so the writer
         never runs MLX); True when queued. Never blocks on I/O: with the queue full the write
         is dropped and counted in ``dropped_writes``; a block stored or queued is skipped."""
+        if block.partial:  # without its state (a KV-only read): never its key's file
+            raise ValueError(f"block {block.key[:12]} holds only part of its tensors")
         if not self.enabled or self._closed or not is_key(block.key):
             return False
         with self._lock:

@@ -89,6 +89,8 @@ class CacheStore:
         """A block leaving device memory goes to RAM, copied out, unless RAM holds it already; the
         copy waits for its own engine while `demote_bound` allows; past it, a block the SSD holds
         is let go uncopied (a copy now would hold up the step that pushed it out)."""
+        if block.partial:  # a KV-only copy is dropped: no tier keeps or writes a block without its state
+            return
         host = None
         if self.warm is not None:
             if self.warm.touch(block.key):

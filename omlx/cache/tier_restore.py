@@ -4,6 +4,7 @@ run is read KV-only but its last block (docs/design/cache-kinds.md). Mixed into 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -13,6 +14,8 @@ import mlx.core as mx
 from omlx.cache.block import CacheBlock
 from omlx.cache.restore_model import Throughput
 from omlx.cache.ssd_format import KV_PART, STATE_PART
+
+log = logging.getLogger("omlx.cache")
 
 
 def use_on_device(blocks: list[CacheBlock]) -> None:
@@ -91,8 +94,8 @@ class TierRestore:
         fetch: Callable[[list[str]], Iterable[CacheBlock | None]],
         chain: frozenset[str] = frozenset(),
     ) -> tuple[list[CacheBlock], float]:
-        """Restore `run` (up to the first block that has gone) and promote it to hot (not a `partial`
-        read); the seconds include the promotion, which may push other blocks (none of `chain`) down."""
+        """Restore `run` (up to the first block that has gone) and promote it to hot (a `partial` read as
+        KV-only); the seconds include the promotion, which may push other blocks (none of `chain`) down."""
         tic = time.perf_counter()
         got = []
         for block in fetch(run):
@@ -101,11 +104,12 @@ class TierRestore:
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-        whole = [b for b in got if not b.partial]  # a KV-only read serves this restore alone
-        if whole:
-            self._learn_size(whole[0])
-            self.tiers.moved_in(sum(b.nbytes for b in whole))
-            for block in whole:
+        if got:
+            whole = [b for b in got if not b.partial]  # a KV-only read: kept hot as such, sizes not learnt from it
+            if whole:
+                self._learn_size(whole[0])
+            self.tiers.moved_in(sum(b.nbytes for b in got))
+            for block in got:
                 self.tiers.hot.put(block, keep=chain)
         return got, time.perf_counter() - tic
 
@@ -151,12 +155,12 @@ class TierRestore:
     def _with_last_state(
         self, parts: list[tuple[CacheBlock, int]], restored: list[tuple[Throughput, int, float]], chain: frozenset[str]
     ) -> list[tuple[CacheBlock, int]]:
-        """`parts` whose last block, read KV-only, gets its state (read alone) and goes to the hot
-        tier whole; where no tier has that state any more, the restore ends a block earlier."""
+        """`parts` whose last block, KV-only (read so, or so in the hot tier), gets its state (read alone)
+        and goes to the hot tier whole; where no tier has that state any more, the restore ends a block earlier."""
         while parts and parts[-1][0].partial:
             block, used = parts[-1]
             held = self.tiers.hot.peek(block.key)  # kept whole by an earlier restore ending there (not a lookup's hit or miss)
-            if held is not None:
+            if held is not None and not held.partial:
                 parts[-1] = (held, used)
                 continue
             tic = time.perf_counter()
@@ -167,6 +171,7 @@ class TierRestore:
             whole = replace(block, tensors={**block.tensors, **state.tensors}, partial=False)
             mx.eval(list(state.tensors.values()))
             restored.append((rate, state.nbytes, time.perf_counter() - tic))
+            log.debug("%s: the last block's state, %d bytes, from %s", self.model_id, state.nbytes, self.costs.tier_name(rate))
             self._learn_size(whole)
             self.tiers.moved_in(whole.nbytes)
             self.tiers.hot.put(whole, keep=chain)

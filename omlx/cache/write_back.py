@@ -8,7 +8,7 @@ import logging
 import threading
 
 from omlx.cache.block import CacheBlock, HostBlock
-from omlx.cache.residency import ON_DEVICE
+from omlx.cache.residency import ON_DEVICE, Residency
 
 log = logging.getLogger("omlx.cache")
 
@@ -24,9 +24,13 @@ class WriteBack:
     """`write_back` of `PrefixCache`: its stored blocks wait in the store's directory
     (`Residency.UNWRITTEN`) until they are handed to the SSD writer."""
 
-    def _in_device_memory(self, key: str) -> bool:
-        """Held in the hot tier, or let go by it but still waiting for the SSD or for RAM."""
-        return bool(self.tiers.residency(key) & ON_DEVICE)
+    def _in_device_memory(self, key: str, whole: bool = False) -> bool:
+        """Held in the hot tier (with `whole`, not as a KV-only copy), or let go by it but still
+        waiting for the SSD or for RAM."""
+        state = self.tiers.residency(key)
+        if whole and state & Residency.KV_ONLY:
+            state &= ~Residency.HOT
+        return bool(state & ON_DEVICE)
 
     def _on_device(self, key: str) -> CacheBlock | None:
         """A block the hot tier let go that device memory still holds: one waiting for the SSD

@@ -321,10 +321,15 @@ def test_an_ssd_restore_reads_the_state_of_its_last_block_alone(model, tmp_path:
     got, cached = hit(model, pc, other)
     assert got == expected and cached == 4 * B
     assert {k for k, part in reads if part == "kv"} == set(keys) and [r for r in reads if r[1] != "kv"] == [(keys[3], "state")]
-    assert pc.tiers.hot.stats()["blocks"] == 1 and not pc.tiers.hot.peek(keys[3]).partial  # block n kept whole
+    assert [pc.tiers.hot.peek(k).partial for k in keys] == [True] * 3 + [False]  # KV-only, block n whole
     assert ssd.stats()["discarded"] == 0
     if any(k.kind == "kv" for k in pc.kinds.leaves):  # a KV tensor damaged is found: the restore ends before it
         flip(ssd.path_for(keys[2]), next(n for n in header(ssd.path_for(keys[2])) if n.endswith(".keys") and ".window." not in n))
+        pc.close(timeout=1.0)
+        ssd.close()
+        ssd = SSDTier(tmp_path, 1 << 30)
+        assert ssd.wait_ready(10)
+        pc = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))  # restarted: nothing hot
         reads.clear()
         got, cached = hit(model, pc, other)
         assert got == expected and cached == 2 * B and ssd.stats()["discarded"] == 1
@@ -335,6 +340,7 @@ def test_an_ssd_restore_reads_the_state_of_its_last_block_alone(model, tmp_path:
 
 def test_a_ram_restore_copies_the_state_of_its_last_block_alone(model, monkeypatch) -> None:
     from omlx.cache import block as block_module
+    from omlx.cache.block_hash import block_keys
 
     store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
     pc = prefix_cache(model, store)
@@ -351,7 +357,97 @@ def test_a_ram_restore_copies_the_state_of_its_last_block_alone(model, monkeypat
     assert got == expected and cached == 4 * B
     assert len(made) == 5 and [bool(state_names(names)) for names in made] == [False] * 4 + [True]
     assert store.warm.stats()["blocks"] == 5  # RAM keeps every block whole: copied from, not moved
-    assert store.hot.stats()["blocks"] == 1  # block n, whole; the KV-only reads served this restore alone
+    assert [store.hot.peek(k).partial for k in block_keys(pc.fp, other, B)[:4]] == [True] * 3 + [False]
     made.clear()
-    again, cached = hit(model, pc, other)  # the next turn reads the KV again; block n's state is hot, no read
-    assert again == expected and cached == 4 * B and len(made) == 4 and not any(state_names(n) for n in made)
+    again, cached = hit(model, pc, other)  # the next turn: all hot (KV-only blocks, block n whole), no read
+    assert again == expected and cached == 4 * B and made == []
+
+
+# The run a restore read KV-only stays hot as KV-only copies (`Residency.KV_ONLY`), block n whole:
+# later turns are hot hits; a KV-only copy is never handed on to RAM or the SSD (cache-kinds.md).
+
+def hit_then_store(model: Any, pc: PrefixCache, tokens: list[int]) -> tuple[list[int], int]:
+    """`hit`, then the prompt's blocks stored as the engine stores them after its prefill."""
+    restored, cached = pc.lookup(tokens)
+    assert restored is not None
+    states = prefill(model, pc, restored, tokens, cached)
+    pc.store(tokens[:-1], restored, final=False, boundary_states=states)
+    return greedy(model, pc, restored, tokens[-1], 10, len(tokens) - 1, {}), cached
+
+
+def test_after_an_ssd_restore_the_next_turns_are_hot_hits(model, tmp_path: Path, monkeypatch) -> None:
+    from omlx.cache.block_hash import block_keys
+    from omlx.cache.residency import Residency
+
+    tokens = prompt(21, 4 * B + 9)
+    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    other = tokens[: 4 * B + 3] + prompt(22, B)  # leaves the stored tail inside it
+    keys = block_keys(pc.fp, other, B)[:4]
+    reads: list[tuple[str, str]] = []
+    real = SSDTier._load
+    monkeypatch.setattr(SSDTier, "_load", lambda self, path, key, fp, part="all": reads.append((key, part)) or real(self, path, key, fp, part))
+    expected, _, _ = miss(model, pc, other)
+    got, cached = hit_then_store(model, pc, other)
+    assert got == expected and cached == 4 * B and len(reads) == 5
+    on_ssd = Residency.SSD
+    assert [pc.tiers.residency(k, pc.fp) for k in keys] == [Residency.HOT | Residency.KV_ONLY | on_ssd] * 3 + [Residency.HOT | on_ssd]
+    reads.clear()
+    again, cached = hit(model, pc, other)  # the same prompt again: every block hot, nothing read
+    assert again == expected and cached == len(other) - 1 and reads == []
+    longer = other + prompt(23, B + 5)  # the next turn goes on from the stored prompt
+    expected, _, _ = miss(model, pc, longer)
+    got, cached = hit(model, pc, longer)
+    assert got == expected and cached == len(other) - 1 and reads == []
+    while pc.tick(idle=True):
+        pass
+    assert ssd.flush(10) and ssd.stats()["blocks"] == 5 + 2  # the new block and tail written, whole
+    pc.close(timeout=1.0)
+    ssd.close()
+
+
+def test_kv_only_copies_let_go_by_the_hot_tier_reach_neither_ram_nor_the_ssd(model, tmp_path: Path, monkeypatch) -> None:
+    from omlx.cache.block_hash import block_keys
+    from omlx.cache.residency import Residency
+
+    tokens = prompt(24, 4 * B + 9)
+    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    pc.close(timeout=1.0)
+    store = CacheStore(HotTier(1 << 30), ssd, B, warm=HotTier(1 << 30), demote_bound=1 << 30)
+    pc = prefix_cache(model, store)
+    other = tokens[: 4 * B + 3] + prompt(25, B)
+    keys = block_keys(pc.fp, other, B)[:4]
+    puts: list[bool] = []
+    real = SSDTier.put
+    monkeypatch.setattr(SSDTier, "put", lambda self, block: puts.append(block.partial) or real(self, block))
+    expected, _, _ = miss(model, pc, other)
+    got, cached = hit(model, pc, other)
+    assert got == expected and cached == 4 * B
+    assert pc.yield_memory(1 << 30) > 0  # every hot block let go
+    assert [store.leaving(k) for k in keys] == [False] * 3 + [True]  # block n waits for its copy to RAM
+    while pc.write_back(idle=True):
+        pass
+    assert [store.residency(k, pc.fp) for k in keys] == [Residency.SSD] * 3 + [Residency.RAM | Residency.SSD]
+    assert True not in puts and store.warm.stats()["blocks"] == 1 and ssd.flush(10) and ssd.stats()["blocks"] == 5
+    pc.close(timeout=1.0)
+    ssd.close()
+
+
+def test_without_the_last_block_s_state_the_restore_ends_a_block_earlier_then_a_store_upgrades_it(model, tmp_path: Path) -> None:
+    from omlx.cache.block_hash import block_keys
+    from tests.unit.test_cache_kinds_format import flip, header
+
+    tokens = prompt(26, 4 * B + 9)
+    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    keys = block_keys(pc.fp, tokens, B)[:4]
+    hit(model, pc, tokens[: 4 * B + 3] + prompt(27, B))  # blocks 1-3 now hot KV-only, block 4 whole
+    for name in state_names(list(header(ssd.path_for(keys[2])))):
+        flip(ssd.path_for(keys[2]), name)  # block 3's state: in no tier now
+    short = tokens[: 3 * B + 3] + prompt(28, B)
+    expected, _, _ = miss(model, pc, short)
+    got, cached = hit_then_store(model, pc, short)
+    assert got == expected and cached == 2 * B and ssd.stats()["discarded"] == 1  # block 2's state read
+    assert not pc.tiers.hot.peek(keys[2]).partial  # its store made block 3 whole: the KV-only copy upgraded
+    again, cached = hit(model, pc, short)
+    assert again == expected and cached == len(short) - 1
+    pc.close(timeout=1.0)
+    ssd.close()

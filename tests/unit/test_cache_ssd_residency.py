@@ -234,3 +234,100 @@ def test_the_directory_s_hot_and_ram_keys_follow_the_tiers_through_random_change
         assert all(store.residency(b.key) == d.state(b.key) for b in pool)
     store.clear()
     assert entries(d) == set() and hot.stats()["bytes"] == 0 == warm.stats()["bytes"]
+
+
+# ----- KV-only hot copies (a stateful restore's run): HOT and KV_ONLY, never handed on -------
+def kv_only(block: CacheBlock) -> CacheBlock:
+    """`block`'s KV-only read: fewer bytes, marked `partial` (docs/design/cache-kinds.md)."""
+    half = {name: t[: t.shape[0] // 2] for name, t in block.tensors.items()}
+    return CacheBlock(block.key, block.parent, block.fingerprint, block.token_count, list(block.layer_types), half, partial=True)
+
+
+def test_a_kv_only_hot_copy_is_marked_upgraded_by_a_whole_put_and_never_replaces_one(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    evicted: list[CacheBlock] = []
+    store.hot.on_evict = evicted.append
+    a = device_block(1)
+    part = kv_only(a)
+    assert store.hot.put(part) and store.residency(a.key, FP) == Residency.HOT | Residency.KV_ONLY
+    assert store.hot.held_bytes == part.nbytes == 500
+    assert store.hot.put(a)  # the whole block upgrades the KV-only copy: not an eviction
+    assert store.hot.peek(a.key) is a and store.hot.held_bytes == 1000 and not evicted
+    assert store.residency(a.key, FP) == Residency.HOT and store.hot.stats()["evictions"] == 0
+    b = device_block(2)
+    assert store.hot.put(b) and store.hot.put(kv_only(a))  # a KV-only put keeps the whole one, refreshed
+    assert store.hot.peek(a.key) is a and store.residency(a.key, FP) == Residency.HOT
+    assert list(store.hot._blocks) == [b.key, a.key]
+    store.hot.discard(a.key)
+    assert a.key not in entries(store.directory)  # no state left: no entry
+    store.hot.set_max_bytes(1600)  # room for `b` and a KV-only `a`, not for both whole
+    assert store.hot.put(kv_only(a), keep={b.key})
+    assert not store.hot.put(a, keep={b.key})  # the whole one does not fit: the KV-only copy stays
+    assert store.hot.peek(a.key).partial and store.residency(a.key, FP) == Residency.HOT | Residency.KV_ONLY
+    store.close()
+
+
+def test_the_ram_and_ssd_tiers_refuse_a_kv_only_block(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    part = kv_only(device_block(1))
+    for put in (store.warm.put, ssd.put):
+        try:
+            put(HostBlock.of(part, copy=True) if put == store.warm.put else part)
+        except ValueError:
+            continue
+        raise AssertionError(f"{put} took a block without its state")
+    assert entries(store.directory) == set() and store.warm.stats()["blocks"] == 0
+    store.close()
+
+
+def test_a_kv_only_copy_let_go_by_the_hot_tier_is_dropped_never_copied_or_written(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path)
+    store.demote_bound = 1 << 20
+    store.own(FP)
+    followed: list[tuple[CacheBlock, HostBlock | None]] = []
+    store.follow(FP, lambda block, host: followed.append((block, host)))
+    d = store.directory
+    whole, part = device_block(1), kv_only(device_block(2))
+    d.await_write(device_block(2))  # even one whose whole block waits for the SSD writer
+    assert store.hot.put(whole) and store.hot.put(part)
+    store.hot.shed(1 << 30)
+    assert d.state(whole.key) == Residency.LEAVING  # the whole one waits for its copy to RAM
+    assert d.state(part.key) == Residency.UNWRITTEN and not d.is_leaving(part.key)  # the KV-only one: dropped
+    assert not store.demote(FP, limit=1 << 30, due=True)
+    assert [b.key for b, _ in followed] == [whole.key] and store.warm.peek(part.key) is None
+    store.demote_bound = 0  # copied to RAM at once when let go: still not the KV-only one
+    assert store.hot.put(kv_only(device_block(3)))
+    store.hot.set_max_bytes(0)
+    assert store.warm.stats()["blocks"] == 1 and len(followed) == 1 and ssd.stats()["blocks"] == 0
+    store.close()
+
+
+def test_hot_ram_and_kv_only_keys_follow_the_tiers_through_random_changes_with_kv_only_copies() -> None:
+    rng = random.Random(31)
+    whole = [device_block(i, nbytes=rng.choice((500, 1000, 1500))) for i in range(12)]
+    pool = whole + [kv_only(b) for b in whole]
+    store = CacheStore(HotTier(4000), None, 16, warm=HotTier(6000), demote_bound=2000)
+    store.own(FP)
+    hot, warm, d = store.hot, store.warm, store.directory
+    ops = [
+        lambda b: hot.put(b, keep={rng.choice(pool).key}),
+        lambda b: hot.take(b.key),
+        lambda b: hot.discard(b.key),
+        lambda b: hot.shed(rng.choice((500, 3000))),
+        lambda b: hot.set_max_bytes(rng.choice((2000, 4000, 6000))),
+        lambda b: warm.take(b.key),
+        lambda b: store.demote(FP, limit=rng.choice((1, 1 << 30)), due=True),
+        lambda b: store.reclaim(b.key),
+        lambda b: store.clear() if rng.random() < 0.1 else None,
+    ]
+    for step in range(600):
+        rng.choice(ops)(rng.choice(pool))
+        in_hot = {b.key for b in whole if hot.contains(b.key)}
+        partial = {b.key for b in whole if hot.contains(b.key) and hot.peek(b.key).partial}
+        in_ram = {b.key for b in whole if warm.contains(b.key)}
+        assert d.keys_with(Residency.HOT) == in_hot and d.keys_with(Residency.KV_ONLY) == partial, step
+        assert d.keys_with(Residency.RAM) == in_ram and not any(warm.peek(k).partial for k in in_ram), step
+        assert not any(b.partial for b in d.leaving_blocks()), step
+        assert entries(d) == in_hot | in_ram | d.keys_with(Residency.LEAVING), step
+    store.clear()
+    assert entries(d) == set() and hot.stats()["bytes"] == 0 == warm.stats()["bytes"]

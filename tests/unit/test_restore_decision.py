@@ -1660,4 +1660,11 @@ def test_a_stateful_ssd_run_is_judged_and_charged_with_one_state(tmp_path: Path,
     assert n == 8 * B and cache.tiers.counters.skipped_restores == 0
     assert sum(observed) == kv_bytes + state_bytes  # the rate learns what was read: the KV and one state
     assert mx.array_equal(caches[1].cache[0], snap["1.arrays.0"]).item()
+    observed.clear()
+    keys = block_keys(fp, tokens, B)
+    caches, n = cache.lookup(tokens[: 5 * B] + [1])  # its KV hot (KV-only copies): block 5's state alone is read
+    assert n == 5 * B and observed == [state_bytes] and not cache.tiers.hot.peek(keys[4]).partial
+    observed.clear()
+    _, n = cache.lookup(tokens[: 5 * B] + [1])  # and then nothing
+    assert n == 5 * B and observed == []
     cache.tiers.ssd.close()
