@@ -87,8 +87,8 @@ class CacheStore:
 
     def _left_device(self, block: CacheBlock) -> None:
         """A block leaving device memory goes to RAM, copied out, unless RAM holds it already; the
-        copy waits for its own engine while `demote_bound` allows; past it, a block the SSD holds
-        is let go uncopied (a copy now would hold up the step that pushed it out)."""
+        copy waits for its own engine while `demote_bound` allows, past it is made now (the SSD's
+        smaller budget may evict its file: docs/design/long-context.md)."""
         if block.partial:  # a KV-only copy is dropped: no tier keeps or writes a block without its state
             return
         host = None
@@ -96,8 +96,6 @@ class CacheStore:
             if self.warm.touch(block.key):
                 host = self.warm.peek(block.key)
             elif self._defer(block):
-                return
-            elif self._on_ssd(block):
                 return
             else:
                 host = HostBlock.of(block, copy=True)
@@ -117,13 +115,6 @@ class CacheStore:
                 return False
             self.directory.leave(block, self.generation)
         return True
-
-    def _on_ssd(self, block: CacheBlock) -> bool:
-        """Whether the SSD holds `block` written (only where evicted blocks may wait: `demote_bound`)."""
-        ssd = self.ssd
-        if not self.demote_bound or ssd is None or ssd.writing(block.key):
-            return False
-        return ssd.contains(block.key, block.fingerprint)
 
     def moved_in(self, nbytes: int) -> None:
         """A restore or a store is about to put `nbytes` into the hot tier: the blocks it pushes out

@@ -1591,11 +1591,12 @@ def test_a_prompt_longer_than_the_hot_tier_keeps_its_first_blocks_there(tmp_path
     ssd.close()
 
 
-def test_past_the_bound_a_block_the_ssd_holds_is_let_go_uncopied(tmp_path: Path, monkeypatch) -> None:
-    # a 120k-token prompt stored into a hot tier full of earlier prompts' blocks copied the ones
-    # past the bound out on the spot, on the engine thread between decode steps (8B on an H200:
-    # the prefix cache's part of a step 210 ms, 4.5 tok/s against 42 on a fresh server); the
-    # SSD already held them
+def test_past_the_bound_a_block_leaving_device_memory_goes_to_ram_though_the_ssd_holds_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # letting such blocks go uncopied because the SSD held them lost them once the SSD's smaller
+    # budget evicted their files: a 120k-token float32 prompt whose KV outgrew the hot tier was
+    # then restored to less than half (docs/design/long-context.md)
     ssd = SSDTier(tmp_path, 1 << 30)
     assert ssd.wait_ready(10)
     store = CacheStore(HotTier(2 * BLOCK_BYTES), ssd, B, warm=HotTier(1 << 30), demote_bound=BLOCK_BYTES)
@@ -1610,17 +1611,13 @@ def test_past_the_bound_a_block_the_ssd_holds_is_let_go_uncopied(tmp_path: Path,
     tokens = list(range(500, 500 + 6 * B))
     cache.store(tokens, kv(len(tokens)), final=True)  # pushes out both earlier blocks and 4 of its own
     copied = {key for key, copy in copies if copy}
-    assert not copied & set(block_keys(FP, earlier, B))  # on the SSD: let go, not copied
-    assert not any(store.warm.contains(k) for k in block_keys(FP, earlier, B))
-    assert len(copied) == 4 and store.stats()["demoting_bytes"] == 0  # its own, not on the SSD yet
-    while cache.write_back(idle=True):
-        pass
-    assert ssd.flush(10)
-    caches, n = cache.lookup(earlier + [1])  # still served, from the SSD
+    assert set(block_keys(FP, earlier, B)) <= copied  # on the SSD, and copied to RAM all the same
+    assert all(store.warm.contains(k) for k in block_keys(FP, earlier, B))
+    assert store.stats()["demoting_bytes"] == 0
+    ssd.clear()  # the SSD's budget lets the files go
+    caches, n = cache.lookup(earlier + [1])  # still served, from RAM
     assert n == 2 * B
     assert mx.array_equal(caches[0].state[0], kv(len(earlier))[0].state[0][..., : 2 * B, :])
-    _, n = cache.lookup(tokens)
-    assert n == 6 * B - 1
     ssd.close()
 
 
