@@ -43,8 +43,8 @@ class CacheBlock:
     token_count: int
     layer_types: list[str]
     tensors: dict[str, mx.array] = field(repr=False)
-    # only some of its tensors (a KV-only or state-only read): used for one restore, never kept
-    # by a tier as its key's block (docs/design/cache-kinds.md)
+    # only some of its tensors (a KV-only or state-only read): the hot tier keeps a KV-only one
+    # as such (`Residency.KV_ONLY`), no other tier keeps or writes it (docs/design/cache-kinds.md)
     partial: bool = False
 
     @functools.cached_property

@@ -65,6 +65,8 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         self.tiers = store
         # per-leaf cache kinds; None or plain KV: blocks as before kinds existed (docs/design/cache-kinds.md)
         self.kinds = kinds if kinds is not None and not kinds.plain_kv else None
+        # with layer states: a restore reads its blocks' KV and its last block's state apart
+        self.by_part = self.kinds is not None and self.kinds.stateful
         self.fp = fingerprint
         self.B = self.block_size = store.block_size
         self.num_layers = num_layers
@@ -142,14 +144,14 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         chain = frozenset(keys)  # what a lookup brings into the hot tier pushes out none of these
         hot, warm, ssd = self.tiers.hot, self.tiers.warm, self.tiers.ssd
         blocks = self._device_run(keys, limit, chain)
-        held = sum(b.nbytes for b in blocks) if self.kinds is not None else 0  # a hot chain's KV (`_charge_restores`)
+        held = sum(b.nbytes for b in blocks) if self.by_part else 0  # a hot chain's KV (`_charge_restores`)
         restored: list[tuple[Throughput, int, float]] = []  # (tier rate, bytes, seconds so far)
         skipped = False  # a slower tier held more, and recomputing it was judged faster
         if warm is not None:
             # moved when the hot tier can keep the whole run, else copied (RAM keeps it): each
             # way has its own rate (docs/design/restore-or-recompute.md); a stateful model's KV copied
             run = self._run_in(keys, len(blocks), limit, warm.contains)
-            move = self.kinds is None and hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
+            move = not self.by_part and hot.can_hold(sum(held.nbytes for held in map(warm.peek, run) if held is not None))
             got, skipped = self._restore_run(
                 run, len(blocks) * self.B, lambda part: self._from_warm_run(part, move),
                 self.warm_rate if move else self.warm_copy_rate, restored, chain,
@@ -165,7 +167,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
                 for rate, nbytes, seconds in restored
             ]
         parts = self._with_tail([(b, self.B) for b in blocks], keys, tokens, skipped)
-        if self.kinds is not None:  # a run read KV-only: its last block's state, alone
+        if self.by_part:  # a run read KV-only: its last block's state, alone
             parts = self._with_last_state(parts, restored, chain)
         if not parts:
             return None, 0

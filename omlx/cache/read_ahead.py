@@ -82,7 +82,7 @@ class ReadAhead:
         # so each decision is logged once, here for the runs made ready ahead
         ram_why: tuple[Any, ...] | None = None
         if ram_run:  # a stateful model's is copied in `lookup` (KV-only: cache-kinds.md), never moved ahead
-            rate = self.warm_rate if self.kinds is None else self.warm_copy_rate
+            rate = self.warm_copy_rate if self.by_part else self.warm_rate
             pays, ram_why = self.costs.judge(len(ram_run) * self.B, start * self.B, rate)
             if not pays:
                 return None  # `lookup` recomputes from there: no SSD block is used either
@@ -95,7 +95,7 @@ class ReadAhead:
         if not pays:
             run = []
         block_bytes = self.block_bytes
-        if self.kinds is not None or self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
+        if self.by_part or self.warm_rate.value is None or len(ram_run) * block_bytes < PREFETCH_MIN_BYTES:
             ram_run = []  # unmeasured: `lookup` times a part of it first; small: in line is fine
         # no more than half the hot tier: moved deepest first, a larger run would push its own
         # deep blocks out again before `lookup`, which copies the rest in line
@@ -105,7 +105,7 @@ class ReadAhead:
         futures: list[Any] = []
         if run:
             try:
-                futures = ssd.read_ahead(run, self.fp) if self.kinds is None else ssd.read_ahead(run, self.fp, part=KV_PART)
+                futures = ssd.read_ahead(run, self.fp, part=KV_PART) if self.by_part else ssd.read_ahead(run, self.fp)
             except RuntimeError:  # its reader threads were stopped: `lookup` reads in line then
                 log.exception("reading prefix-cache blocks of %s ahead failed", self.model_id)
                 run = []

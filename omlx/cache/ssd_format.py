@@ -133,9 +133,10 @@ def block_metadata(block: HostBlock) -> dict[str, str]:
         "token_count": str(int(block.token_count)),
         "fingerprint": block.fingerprint,
         "layer_types": json.dumps(list(block.layer_types)),
-        "checksum": checksum_host(block.host),
     }
-    if not all(t == "kv" for t in block.layer_types):
+    if all(t == "kv" for t in block.layer_types):
+        meta["checksum"] = checksum_host(block.host)
+    else:
         meta["format_version"] = STATEFUL_FORMAT_VERSION
         meta["checksum"] = checksum_host(block.part(state=False).host)
         meta["state_checksum"] = checksum_host(block.part(state=True).host)

@@ -104,7 +104,6 @@ class TierRestore:
             got.append(block)
         if got:
             mx.eval([t for b in got for t in b.tensors.values()])
-        if got:
             whole = [b for b in got if not b.partial]  # a KV-only read: kept hot as such, sizes not learnt from it
             if whole:
                 self._learn_size(whole[0])
@@ -127,7 +126,7 @@ class TierRestore:
             j = i
             while j < len(run) and not self.tiers.directory.is_staged(run[j]):
                 j += 1
-            if self.kinds is None:
+            if not self.by_part:
                 yield from self.tiers.ssd.get_many(run[i:j], self.fp)
             else:  # a stateful model's blocks KV-only: `_with_last_state` reads the one state used
                 yield from self.tiers.ssd.get_many(run[i:j], self.fp, part=KV_PART)
@@ -146,7 +145,7 @@ class TierRestore:
         """`run` from host RAM (`_from_warm`); a stateful model's blocks as copies of their KV
         tensors alone (RAM keeps them whole: the state arrays never reach the device)."""
         for key in run:
-            if self.kinds is None:
+            if not self.by_part:
                 yield self._from_warm(key, move)
             else:
                 held = self.tiers.warm.get(key)

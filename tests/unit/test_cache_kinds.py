@@ -451,3 +451,18 @@ def test_without_the_last_block_s_state_the_restore_ends_a_block_earlier_then_a_
     assert again == expected and cached == len(short) - 1
     pc.close(timeout=1.0)
     ssd.close()
+
+
+def test_only_models_with_layer_states_read_a_restore_by_part() -> None:
+    # a CacheList of KV caches alone (DeepSeek-V3.2's kind) holds no state: its restores read
+    # whole blocks as a plain-KV model's do, and RAM runs may move
+    from mlx_lm.models.cache import CacheList
+
+    from omlx.cache.cache_kinds import cache_kinds
+
+    store = CacheStore(HotTier(1 << 20), None, 16)
+    kv_pairs, _ = cache_kinds([CacheList(KVCache(), KVCache()) for _ in range(2)])
+    recurrent, _ = cache_kinds([KVCache(), ArraysCache(2)])
+    assert kv_pairs is not None and not kv_pairs.plain_kv and not kv_pairs.stateful
+    assert not PrefixCache(store, "fp-a", 2, "m", kinds=kv_pairs).by_part
+    assert PrefixCache(store, "fp-b", 2, "m", kinds=recurrent).by_part
