@@ -44,7 +44,7 @@ class HotTier:
         with directory.lock:
             self._lock, self._directory, self._state = directory.lock, directory, state
             for key, block in self._blocks.items():
-                directory.mark(key, state | Residency.KV_ONLY if getattr(block, "partial", False) else state)
+                directory.mark(key, self._flags(block))
 
     @property
     def max_bytes(self) -> int:
@@ -145,8 +145,7 @@ class HotTier:
         self._sizes[block.key] = size
         self._bytes += size
         if self._directory is not None:
-            kv_only = getattr(block, "partial", False)
-            self._directory.mark(block.key, self._state | Residency.KV_ONLY if kv_only else self._state)
+            self._directory.mark(block.key, self._flags(block))
 
     def _victims(self, size: int, keep: frozenset[str] | set[str]) -> list[str] | None:
         """Least recently used keys outside ``keep`` whose eviction makes room for ``size``
@@ -171,13 +170,17 @@ class HotTier:
         with self._lock:
             return self._pop(key) is not None
 
+    def _flags(self, block: Any) -> Residency:
+        """The directory state of this tier holding `block`: KV_ONLY beside it for a `partial` one."""
+        return self._state | Residency.KV_ONLY if getattr(block, "partial", False) else self._state
+
     def _pop(self, key: str) -> Any | None:
         """Remove `key`'s block, its bytes and its state (caller holds the lock)."""
         block = self._blocks.pop(key, None)
         if block is not None:
             self._bytes -= self._sizes.pop(key)
             if self._directory is not None:
-                self._directory.unmark(key, self._state | Residency.KV_ONLY if getattr(block, "partial", False) else self._state)
+                self._directory.unmark(key, self._flags(block))
         return block
 
     def discard_fingerprint(self, fingerprint: str) -> int:

@@ -35,7 +35,7 @@ HOT_STATES = Residency.HOT | Residency.KV_ONLY  # the hot tier's, recorded by it
 TIER_STATES = HOT_STATES | Residency.RAM | SSD_STATES  # recorded by the tiers (`mark`), dropped by their `clear`
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     state: Residency
     block: CacheBlock | None = None  # the device copy (UNWRITTEN, LEAVING)

@@ -172,7 +172,7 @@ class TierRestore:
             restored.append((rate, state.nbytes, time.perf_counter() - tic))
             log.debug("%s: the last block's state, %d bytes, from %s", self.model_id, state.nbytes, self.costs.tier_name(rate))
             self._learn_size(whole)
-            self.tiers.moved_in(whole.nbytes)
+            self.tiers.moved_in(state.nbytes)  # its KV was in the hot tier already
             self.tiers.hot.put(whole, keep=chain)
             parts[-1] = (whole, used)
         return parts
