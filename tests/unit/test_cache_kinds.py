@@ -202,20 +202,8 @@ def test_a_snapshot_of_a_batch_row_is_that_sequence_s_own(model) -> None:
 
 
 def test_a_first_ssd_restore_probed_on_part_of_its_run_still_equals_the_miss(model, tmp_path: Path) -> None:
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    pc = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
     tokens = prompt(13, 9 * B + 2)
-    expected, cache, states = miss(model, pc, tokens)
-    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
-    while pc.tick(idle=True):
-        pass
-    assert ssd.flush(10)
-    pc.close(timeout=1.0)
-    ssd.close()
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    fresh = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    ssd, fresh, expected = stored_then_restarted(model, tmp_path, tokens)
     fresh.observe_prefill(64, 0, 60.0)  # recomputing is known (and slow): the unmeasured SSD is probed first
     assert fresh.costs.due_probe(fresh.ssd_rate)
     got, cached = hit(model, fresh, tokens)
@@ -286,12 +274,13 @@ def state_names(host_names: list[str]) -> list[str]:
     return [n for n in host_names if ".window." in n or ".arrays." in n]
 
 
-def stored_then_restarted(model: Any, tmp_path: Path, tokens: list[int]) -> tuple[SSDTier, PrefixCache]:
-    """`tokens`' blocks stored and written to the SSD; a fresh tier and cache over that directory."""
+def stored_then_restarted(model: Any, tmp_path: Path, tokens: list[int]) -> tuple[SSDTier, PrefixCache, list[int]]:
+    """`tokens`' blocks stored and written to the SSD; a fresh tier and cache over that directory,
+    and the miss's greedy output."""
     ssd = SSDTier(tmp_path, 1 << 30)
     assert ssd.wait_ready(10)
     pc = prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
-    _, cache, states = miss(model, pc, tokens)
+    expected, cache, states = miss(model, pc, tokens)
     pc.store(tokens[:-1], cache, final=False, boundary_states=states)
     while pc.tick(idle=True):
         pass
@@ -300,7 +289,7 @@ def stored_then_restarted(model: Any, tmp_path: Path, tokens: list[int]) -> tupl
     ssd.close()
     ssd = SSDTier(tmp_path, 1 << 30)
     assert ssd.wait_ready(10)
-    return ssd, prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B))
+    return ssd, prefix_cache(model, CacheStore(HotTier(1 << 30), ssd, B)), expected
 
 
 def test_an_ssd_restore_reads_the_state_of_its_last_block_alone(model, tmp_path: Path, monkeypatch) -> None:
@@ -308,7 +297,7 @@ def test_an_ssd_restore_reads_the_state_of_its_last_block_alone(model, tmp_path:
     from tests.unit.test_cache_kinds_format import flip, header
 
     tokens = prompt(15, 4 * B + 9)
-    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    ssd, pc, _ = stored_then_restarted(model, tmp_path, tokens)
     other = tokens[: 4 * B + 3] + prompt(16, B)  # leaves the stored tail inside it
     keys = block_keys(pc.fp, other, B)[:4]
     for key in (keys[0], keys[2]):  # earlier blocks' states damaged on disk: never read, never checked
@@ -380,7 +369,7 @@ def test_after_an_ssd_restore_the_next_turns_are_hot_hits(model, tmp_path: Path,
     from omlx.cache.residency import Residency
 
     tokens = prompt(21, 4 * B + 9)
-    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    ssd, pc, _ = stored_then_restarted(model, tmp_path, tokens)
     other = tokens[: 4 * B + 3] + prompt(22, B)  # leaves the stored tail inside it
     keys = block_keys(pc.fp, other, B)[:4]
     reads: list[tuple[str, str]] = []
@@ -410,7 +399,7 @@ def test_kv_only_copies_let_go_by_the_hot_tier_reach_neither_ram_nor_the_ssd(mod
     from omlx.cache.residency import Residency
 
     tokens = prompt(24, 4 * B + 9)
-    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    ssd, pc, _ = stored_then_restarted(model, tmp_path, tokens)
     pc.close(timeout=1.0)
     store = CacheStore(HotTier(1 << 30), ssd, B, warm=HotTier(1 << 30), demote_bound=1 << 30)
     pc = prefix_cache(model, store)
@@ -437,7 +426,7 @@ def test_without_the_last_block_s_state_the_restore_ends_a_block_earlier_then_a_
     from tests.unit.test_cache_kinds_format import flip, header
 
     tokens = prompt(26, 4 * B + 9)
-    ssd, pc = stored_then_restarted(model, tmp_path, tokens)
+    ssd, pc, _ = stored_then_restarted(model, tmp_path, tokens)
     keys = block_keys(pc.fp, tokens, B)[:4]
     hit(model, pc, tokens[: 4 * B + 3] + prompt(27, B))  # blocks 1-3 now hot KV-only, block 4 whole
     for name in state_names(list(header(ssd.path_for(keys[2])))):

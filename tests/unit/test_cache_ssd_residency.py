@@ -201,41 +201,6 @@ def test_a_tier_alone_keeps_working_and_one_joined_late_records_what_it_holds() 
     assert entries(store.directory) == set()
 
 
-def test_the_directory_s_hot_and_ram_keys_follow_the_tiers_through_random_changes() -> None:
-    rng = random.Random(30)
-    pool = [device_block(i, nbytes=rng.choice((500, 1000, 1500)), fp=rng.choice(("m", "n"))) for i in range(16)]
-    store = CacheStore(HotTier(4000), None, 16, warm=HotTier(6000), demote_bound=2000)
-    store.own("m")
-    hot, warm, d = store.hot, store.warm, store.directory
-    assert warm is not None
-    ops = [
-        lambda b: hot.put(b, keep={rng.choice(pool).key}),
-        lambda b: hot.take(b.key),
-        lambda b: hot.discard(b.key),
-        lambda b: hot.shed(rng.choice((500, 3000))),
-        lambda b: hot.set_max_bytes(rng.choice((2000, 4000, 6000))),
-        lambda b: hot.discard_fingerprint(b.fingerprint),
-        lambda b: warm.put(HostBlock.of(b, copy=True)),
-        lambda b: warm.take(b.key),
-        lambda b: warm.set_max_bytes(rng.choice((3000, 6000))),
-        lambda b: store.demote("m", limit=rng.choice((1, 1 << 30)), due=True),
-        lambda b: store.reclaim(b.key),
-        lambda b: d.await_write(b),
-        lambda b: d.take_unwritten(b),
-        lambda b: store.clear() if rng.random() < 0.1 else None,
-    ]
-    for step in range(600):
-        rng.choice(ops)(rng.choice(pool))
-        in_hot = {b.key for b in pool if hot.contains(b.key)}
-        in_ram = {b.key for b in pool if warm.contains(b.key)}
-        assert d.keys_with(Residency.HOT) == in_hot and d.keys_with(Residency.RAM) == in_ram, step
-        waiting = d.keys_with(Residency.UNWRITTEN | Residency.LEAVING)
-        assert entries(d) == in_hot | in_ram | waiting, step  # no key left without a state
-        assert all(store.residency(b.key) == d.state(b.key) for b in pool)
-    store.clear()
-    assert entries(d) == set() and hot.stats()["bytes"] == 0 == warm.stats()["bytes"]
-
-
 # ----- KV-only hot copies (a stateful restore's run): HOT and KV_ONLY, never handed on -------
 def kv_only(block: CacheBlock) -> CacheBlock:
     """`block`'s KV-only read: fewer bytes, marked `partial` (docs/design/cache-kinds.md)."""
@@ -302,22 +267,28 @@ def test_a_kv_only_copy_let_go_by_the_hot_tier_is_dropped_never_copied_or_writte
     store.close()
 
 
-def test_hot_ram_and_kv_only_keys_follow_the_tiers_through_random_changes_with_kv_only_copies() -> None:
+def test_hot_ram_and_kv_only_keys_follow_the_tiers_through_random_changes() -> None:
     rng = random.Random(31)
-    whole = [device_block(i, nbytes=rng.choice((500, 1000, 1500))) for i in range(12)]
+    whole = [device_block(i, nbytes=rng.choice((500, 1000, 1500)), fp=rng.choice((FP, "n"))) for i in range(12)]
     pool = whole + [kv_only(b) for b in whole]
     store = CacheStore(HotTier(4000), None, 16, warm=HotTier(6000), demote_bound=2000)
     store.own(FP)
     hot, warm, d = store.hot, store.warm, store.directory
+    assert warm is not None
     ops = [
         lambda b: hot.put(b, keep={rng.choice(pool).key}),
         lambda b: hot.take(b.key),
         lambda b: hot.discard(b.key),
         lambda b: hot.shed(rng.choice((500, 3000))),
         lambda b: hot.set_max_bytes(rng.choice((2000, 4000, 6000))),
+        lambda b: hot.discard_fingerprint(b.fingerprint),
+        lambda b: None if b.partial else warm.put(HostBlock.of(b, copy=True)),
         lambda b: warm.take(b.key),
+        lambda b: warm.set_max_bytes(rng.choice((3000, 6000))),
         lambda b: store.demote(FP, limit=rng.choice((1, 1 << 30)), due=True),
         lambda b: store.reclaim(b.key),
+        lambda b: None if b.partial else d.await_write(b),
+        lambda b: None if b.partial else d.take_unwritten(b),
         lambda b: store.clear() if rng.random() < 0.1 else None,
     ]
     for step in range(600):
@@ -328,6 +299,8 @@ def test_hot_ram_and_kv_only_keys_follow_the_tiers_through_random_changes_with_k
         assert d.keys_with(Residency.HOT) == in_hot and d.keys_with(Residency.KV_ONLY) == partial, step
         assert d.keys_with(Residency.RAM) == in_ram and not any(warm.peek(k).partial for k in in_ram), step
         assert not any(b.partial for b in d.leaving_blocks()), step
-        assert entries(d) == in_hot | in_ram | d.keys_with(Residency.LEAVING), step
+        waiting = d.keys_with(Residency.UNWRITTEN | Residency.LEAVING)
+        assert entries(d) == in_hot | in_ram | waiting, step  # no key left without a state
+        assert all(store.residency(b.key) == d.state(b.key) for b in whole), step
     store.clear()
     assert entries(d) == set() and hot.stats()["bytes"] == 0 == warm.stats()["bytes"]
