@@ -202,7 +202,7 @@ class SSDTier:
                 self._counters["misses"] += mark
                 return None
         try:
-            read, size = self._load(path, key, fingerprint, *(() if part == ALL else (part,)))  # a whole read as it was
+            read, size = self._load(path, key, fingerprint, part)
         except FileNotFoundError:
             self._forget(key)
             with self._lock:

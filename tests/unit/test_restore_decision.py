@@ -964,16 +964,16 @@ def test_reads_ahead_do_not_hold_up_reads_in_line(tmp_path: Path, monkeypatch) -
     slow_keys, quick_keys = block_keys(FP, slow + quick, B)[:8], block_keys(FP, slow + quick, B)[8:]
     real_load = SSDTier._load
 
-    def slow_load(self, path, key, fp):
+    def slow_load(self, path, key, fp, part):
         if key in slow_keys:
             time.sleep(0.5)
-        return real_load(self, path, key, fp)
+        return real_load(self, path, key, fp, part)
 
     loads: list[str] = []
 
-    def counted_slow_load(self, path, key, fp):
+    def counted_slow_load(self, path, key, fp, part):
         loads.append(key)
-        return slow_load(self, path, key, fp)
+        return slow_load(self, path, key, fp, part)
 
     monkeypatch.setattr(SSDTier, "_load", counted_slow_load)
     ahead = ssd.read_ahead(slow_keys, FP)  # 2 s of reads on 4 threads
