@@ -110,6 +110,20 @@ def summary(rec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def copies_out(s: Server) -> dict[str, Any] | None:
+    """The cache's device -> host copies so far (`device_to_host` of /api/cache/stats)."""
+    stats = s.cache_stats()
+    return stats.get("device_to_host") or next(iter(stats.get("stores", {}).values()), {}).get("device_to_host")
+
+
+def copies_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """GB and seconds of each kind of copy between two `copies_out`."""
+    if not before or not after:
+        return None
+    return {k: {"gb": round((after[k]["bytes"] - before[k]["bytes"]) / 1e9, 3),
+                "s": round(after[k]["seconds"] - before[k]["seconds"], 3)} for k in after if k in before}  # fmt: skip
+
+
 def healthy(s: Server) -> bool:
     try:
         return s.proc is not None and s.proc.poll() is None and httpx.get(f"{s.url}/health", timeout=10).status_code == 200
@@ -153,13 +167,15 @@ def run_side(args: Any, side: str, s: Server, lengths: list[int], rows: list[str
                     s.wait_warmed()
                 bodies = [req.body(p, peer=side == "peer") for p in req.rows[row]]
                 before = s.step_times() if side != "peer" else None
+                copied = copies_out(s) if side == "cache" else None
                 if len(bodies) == 1:
                     recs = [one(s.url, bodies[0])]
                 else:  # sent together
                     recs = sse_client.stream_group(s.url, bodies, time.perf_counter() + 0.2, bg.REQUEST_TIMEOUT)
                 split = bg.step_split(before, s.step_times()) if side != "peer" else None
+                copied = copies_delta(copied, copies_out(s)) if side == "cache" else None
                 for e, p, r in zip(entries, req.rows[row], recs, strict=True):
-                    e[side] = {"error": r["error"]} if "error" in r else {**summary(r), "split": split}
+                    e[side] = {"error": r["error"]} if "error" in r else {**summary(r), "split": split, "copies": copied}
                     e["prompt_tokens"] = len(p)
                     if side == "cache":
                         stored.add(tuple(p))
@@ -167,7 +183,8 @@ def run_side(args: Any, side: str, s: Server, lengths: list[int], rows: list[str
                     f"TTFT {e[side]['ttft']:.3f}s cached {e[side]['cached_tokens']}/{e['prompt_tokens']} "
                     f"decode {e[side]['decode_tps'] or 0:.1f} tok/s"
                     if "ttft" in e[side] else e[side]["error"] for e in entries)
-                    + (f"; {bg.split_line(split)}" if split else ""))  # fmt: skip
+                    + (f"; {bg.split_line(split)}" if split else "")
+                    + (f"; copies out {copied}" if copied else ""))  # fmt: skip
             except Exception:
                 for e in entries:
                     e[side] = {"error": traceback.format_exc()[-2000:]}

@@ -40,7 +40,7 @@ from omlx.cache.store import CacheStore
 from omlx.cache.tail_index import TailIndex
 from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS, TailLookup
 from omlx.cache.tier_restore import TierRestore
-from omlx.cache.write_back import WRITE_BACK_BOUND_GPU, WriteBack
+from omlx.cache.write_back import CopyPacer, WriteBack
 from omlx.platform_info import discrete_gpu
 
 log = logging.getLogger("omlx.cache")
@@ -92,7 +92,9 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         self._keys_ahead: tuple[list[int], int, list[str]] | None = None
         self._idle_probe: list[Any] | None = None  # `probe_idle`'s reads in flight (futures)
         self._idle_probe_none_at = -1  # the SSD's block count when it held none of this model's
-        self.write_back_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
+        # on a CUDA GPU stored blocks wait for an idle engine, copies while busy are paced
+        self.writes_wait = discrete_gpu()
+        self.pacer = CopyPacer()
         if store.ssd is not None:
             store.follow(fingerprint, self._left_device)
         if store.demote_bound:
@@ -405,8 +407,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
 
     def yield_memory(self, nbytes: int) -> int:
         """The hot tier's least recently used blocks leave device memory (to RAM or the SSD,
-        as any eviction) until `nbytes` are freed; the bytes freed."""
+        as any eviction) until `nbytes` are freed; the bytes freed. Blocks let go that would
+        wait in device memory for their RAM copy are copied now, as many bytes as were shed."""
         freed = self.tiers.hot.shed(nbytes)
+        if freed and self.tiers.demote_bound:
+            self.tiers.demote(self.fp, limit=freed, due=True)
         if freed:
             log.info("hot tier yielded %d bytes of device memory to running sequences", freed)
         return freed

@@ -24,7 +24,7 @@ class Residency(enum.Flag):
     WRITING = enum.auto()  # queued for the SSD writer or being written
     SSD = enum.auto()  # a file of the SSD tier
     UNWRITTEN = enum.auto()  # stored, waits in device memory to be handed to the SSD writer
-    EVICTED = enum.auto()  # unwritten, let go by the hot tier on another model's thread
+    EVICTED = enum.auto()  # unwritten, let go by the hot tier before it could be handed over
     LEAVING = enum.auto()  # let go by the hot tier, waits in device memory for its copy to RAM
     STAGED = enum.auto()  # read ahead from the SSD (host bytes) for the next lookup
 
@@ -116,8 +116,8 @@ class BlockDirectory:
             return sum(len(keys) for keys in self._unwritten.values())
 
     def next_unwritten(self, fingerprint: str) -> tuple[CacheBlock | None, bool]:
-        """The block of that model to hand to the writer next: one the hot tier let go on
-        another thread first (then True), else the oldest stored; (None, False) when none."""
+        """The block of that model to hand to the writer next: one the hot tier let go before
+        it could be handed over first (then True), else the oldest stored; (None, False) when none."""
         with self.lock:
             keys = self._unwritten.get(fingerprint)
             if not keys:
@@ -129,8 +129,8 @@ class BlockDirectory:
             return self._entries[next(iter(keys))].block, False
 
     def mark_evicted(self, key: str) -> None:
-        """An unwritten block the hot tier let go on another model's thread: its own engine
-        hands it over first (`next_unwritten`)."""
+        """An unwritten block the hot tier let go that could not be handed over then (on another
+        model's thread, or with the writer full): its own engine hands it over first."""
         with self.lock:
             if self.state(key) & Residency.UNWRITTEN:
                 self._set(key, Residency.EVICTED)

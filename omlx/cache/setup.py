@@ -10,7 +10,7 @@ from omlx.cache.hot_tier import HotTier
 from omlx.cache.sizes import parse_size
 from omlx.cache.ssd_tier import SSDTier
 from omlx.cache.store import CacheStore
-from omlx.cache.write_back import WRITE_BACK_BOUND_GPU
+from omlx.cache.write_back import DEMOTE_BOUND_GPU
 from omlx.errors import ConfigError
 from omlx.platform_info import discrete_gpu, gpu_memory_bytes
 from omlx.settings import Settings
@@ -69,7 +69,6 @@ def build_cache_store(settings: Settings) -> CacheStore | None:
         except ValueError as exc:
             raise ConfigError(f"Invalid value for ssd_cache_max_size: {exc}") from None
         ssd = SSDTier(cache_dir, ssd_bytes)
-    # on a discrete GPU, evicted blocks may wait in device memory for their RAM copy (as many
-    # bytes as may wait for the SSD writer)
-    demote_bound = WRITE_BACK_BOUND_GPU if discrete_gpu() else 0
+    # on a discrete GPU, evicted blocks may wait in device memory for their RAM copy
+    demote_bound = DEMOTE_BOUND_GPU if discrete_gpu() else 0
     return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size, warm=warm, demote_bound=demote_bound)

@@ -5,6 +5,7 @@ its own engine's thread, then to its model's `PrefixCache` (docs/design/ram-move
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,30 @@ class CacheCounters:
             }
 
 
+class CopyCounts:
+    """Device -> host copies of blocks made on engine threads, by why: `evicted` (let go past what
+    may wait, copied at once), `demoted` (waited, copied later) and `handed` (to the SSD writer
+    from device memory); bytes and seconds of each, for `stats`."""
+
+    KINDS = ("evicted", "demoted", "handed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {kind: [0, 0.0] for kind in self.KINDS}
+
+    def add(self, kind: str, nbytes: int, since: float) -> None:
+        """One copy of `nbytes` that began at `since` (`time.perf_counter`)."""
+        seconds = time.perf_counter() - since
+        with self._lock:
+            entry = self._counts[kind]
+            entry[0] += nbytes
+            entry[1] += seconds
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            return {kind: {"bytes": n, "seconds": round(s, 4)} for kind, (n, s) in self._counts.items()}
+
+
 class CacheStore:
     """The tiers every loaded model shares (keys include the model fingerprint), the directory
     of blocks between them, and the hand-off of blocks the hot tier lets go: to RAM as host
@@ -53,6 +78,7 @@ class CacheStore:
         self.ssd = ssd if ssd is not None and ssd.enabled else None
         self.block_size = block_size
         self.counters = CacheCounters()
+        self.copies = CopyCounts()
         self.generation = 0  # bumped by clear(): blocks stored before it are not written back
         # model fingerprint -> what its PrefixCache does with a block the hot tier let go
         self._followers: dict[str, Callable[[CacheBlock, HostBlock | None], None]] = {}
@@ -98,7 +124,9 @@ class CacheStore:
             elif self._defer(block):
                 return
             else:
+                tic = time.perf_counter()
                 host = HostBlock.of(block, copy=True)
+                self.copies.add("evicted", block.nbytes, tic)
                 self.warm.put(host)
         follower = self._followers.get(block.fingerprint)
         if follower is not None:
@@ -180,7 +208,9 @@ class CacheStore:
         """`block`'s RAM copy, made now (engine thread) if RAM has none."""
         held = self.warm.peek(block.key)
         if held is None:
+            tic = time.perf_counter()
             held = HostBlock.of(block, copy=True)
+            self.copies.add("demoted", block.nbytes, tic)
             self.warm.put(held)
         return held
 
@@ -201,6 +231,7 @@ class CacheStore:
             **self.counters.snapshot(),
             "unwritten_blocks": self.directory.unwritten_count(),  # stored, not yet handed to the SSD writer
             "demoting_bytes": self.directory.leaving_bytes,  # evicted, waiting in device memory for the RAM copy
+            "device_to_host": self.copies.snapshot(),
             "hot": self.hot.stats(),
             "warm": self.warm.stats() if self.warm else {"enabled": False},
             "ssd": self.ssd.stats() if self.ssd else {"enabled": False},

@@ -6,18 +6,51 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from omlx.cache.block import CacheBlock, HostBlock
 from omlx.cache.residency import ON_DEVICE, Residency
 
 log = logging.getLogger("omlx.cache")
 
-# Blocks that may wait for the SSD in device memory while a CUDA engine is busy (beyond it,
-# the oldest are handed over between steps); at most WRITE_BACK_CHUNK bytes per engine loop,
-# so a step, or a request arriving at an idle engine, waits for at most that much copying, or
-# one block where a block is larger (docs/design/write-back.md).
-WRITE_BACK_BOUND_GPU = 1 << 30
+# Blocks the hot tier let go that may wait in device memory for their copy to RAM on a CUDA
+# GPU (`CacheStore.demote_bound`); at most WRITE_BACK_CHUNK bytes per engine loop, so a step,
+# or a request arriving at an idle engine, waits for at most that much copying, or one block
+# where a block is larger (docs/design/write-back.md).
+DEMOTE_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 16 << 20
+# While requests run on a CUDA GPU, the engine thread's device -> host copies (RAM copies of
+# blocks let go, hand-offs to the SSD writer) take at most this share of its time: each one
+# holds up every stream (docs/design/write-back.md, "Copies while requests run").
+BUSY_COPY_SHARE = 0.1
+BUSY_COPY_BURST_S = 0.02  # the most time saved up for them: about one 8B block's copy
+
+
+class CopyPacer:
+    """Time a busy engine may spend on copies: each call of `ready` earns `share` of the
+    time since the last one (up to `burst`), each copy spends its seconds (`spend`)."""
+
+    def __init__(
+        self, share: float = BUSY_COPY_SHARE, burst: float = BUSY_COPY_BURST_S, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self.share, self.burst, self.clock = share, burst, clock
+        self.balance = 0.0
+        self._last: float | None = None
+
+    def ready(self) -> bool:
+        now = self.clock()
+        if self._last is not None:
+            self.balance = min(self.burst, self.balance + self.share * (now - self._last))
+        self._last = now
+        return self.balance >= 0
+
+    def spend(self, seconds: float) -> None:
+        self.balance -= seconds
+
+    def rest(self) -> None:
+        """Idle: what is copied now is not paced, and the idle time earns nothing."""
+        self._last = None
 
 
 class WriteBack:
@@ -46,9 +79,21 @@ class WriteBack:
             self.tiers.ssd.hold_writes(self, on)
 
     def write_back(self, idle: bool) -> bool:
-        """Copy this model's let-go blocks to RAM (`CacheStore.demote`), then hand stored blocks to
-        the SSD writer, oldest first, up to `WRITE_BACK_CHUNK` bytes (one at least) when `idle` or
-        past their bound, while it has room; True when some moved and more wait."""
+        """Copy this model's let-go blocks to RAM (`CacheStore.demote`), then hand stored blocks to the
+        SSD writer, up to `WRITE_BACK_CHUNK` bytes; True when some moved and more wait. Busy on a CUDA
+        GPU (`writes_wait`), only blocks the hot tier let go move, within `CopyPacer`'s share."""
+        if idle or not self.writes_wait:
+            self.pacer.rest()
+            return self._write_back(idle)
+        if not self.pacer.ready():
+            return False
+        tic = self.pacer.clock()
+        try:
+            return self._write_back(idle)
+        finally:
+            self.pacer.spend(self.pacer.clock() - tic)
+
+    def _write_back(self, idle: bool) -> bool:
         more = self.tiers.demote_bound > 0 and self.tiers.demote(self.fp, WRITE_BACK_CHUNK, due=idle)
         ssd, directory = self.tiers.ssd, self.tiers.directory
         if ssd is None or not directory.unwritten(self.fp):  # the common case, after every engine step
@@ -61,7 +106,7 @@ class WriteBack:
                     break
                 if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
                     break
-                due = idle or evicted or directory.unwritten_bytes(self.fp) > self.write_back_bound
+                due = idle or evicted or not self.writes_wait
                 if not due or not ssd.has_room():
                     break
                 directory.take_unwritten(block)
@@ -88,10 +133,8 @@ class WriteBack:
         with directory.lock:
             if directory.unwritten_block(block.key) is None:
                 return
-            if host is None and threading.get_ident() != self._owner:
-                directory.mark_evicted(block.key)  # for this engine's thread to copy out, next loop
-                return
-            if not self.tiers.ssd.has_room():
+            if (host is None and threading.get_ident() != self._owner) or not self.tiers.ssd.has_room():
+                directory.mark_evicted(block.key)  # handed over first by this engine's next `write_back`
                 return
             directory.take_unwritten(block)
         self._hand_to_ssd(host if host is not None else block)
@@ -107,8 +150,11 @@ class WriteBack:
                 directory.await_write(block)
 
     def _hand_to_ssd(self, block: CacheBlock | HostBlock) -> None:
+        tic = time.perf_counter()
         try:
             self.tiers.ssd.put(block)
+            if isinstance(block, CacheBlock):  # the writer's host view of it was made here
+                self.tiers.copies.add("handed", block.nbytes, tic)
         except (RuntimeError, ValueError, OSError):  # that block is not written; caching is an optimisation
             log.exception("handing block %s to the SSD writer failed", block.key)
 

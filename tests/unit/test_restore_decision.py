@@ -25,6 +25,7 @@ from omlx.cache.kv_layout import KV_STACK
 from omlx.cache.prefix_cache import PrefixCache
 from omlx.cache.ssd_tier import SSDTier
 from omlx.cache.store import CacheStore
+from omlx.cache.write_back import CopyPacer
 from omlx.platform_info import discrete_gpu
 
 B = 16
@@ -634,10 +635,11 @@ def test_a_pending_store_stops_when_its_chain_is_gone(monkeypatch) -> None:
     assert warm.stats()["blocks"] == 0  # no blocks hanging off a root that is gone
 
 
-def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tmp_path: Path, monkeypatch) -> None:
+def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle(tmp_path: Path, monkeypatch) -> None:
     """Handing a block to the SSD writer copies it to host memory on the engine thread (slow
-    on a CUDA GPU): a busy engine defers it up to a bound, and every call hands over at most a
-    chunk, so no step or arriving request waits for more than that."""
+    on a CUDA GPU): there a busy engine hands over none the hot tier holds, however many wait
+    (they cost no device memory beyond the tier's), and every call hands over at most a chunk,
+    so no step or arriving request waits for more than that; on a CPU it follows each step."""
 
     cache = open_cache(tmp_path)
     ssd = cache.tiers.ssd
@@ -645,21 +647,25 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     cache.store(tokens, kv(len(tokens)), final=True)  # 8 full blocks + a 1-token tail
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     assert cache.tiers.stats()["unwritten_blocks"] == 9
-    cache.write_back_bound = 1 << 30  # as on a CUDA GPU
-    assert not cache.write_back(idle=False)  # busy, under the bound: nothing moves
-    assert ssd.flush(10) and ssd.stats()["writes"] == 0
-    cache.write_back_bound = 3 * block_bytes
+    cache.writes_wait = True  # as on a CUDA GPU
     monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 2 * block_bytes)
+    for _ in range(5):
+        cache.pacer.balance = 1.0  # time to spare: still nothing moves
+        assert not cache.write_back(idle=False)
+    assert ssd.flush(10) and ssd.stats()["writes"] == 0
     writes = []
-    while cache.write_back(idle=False):  # busy, over the bound: a chunk per step, down to it
+    while cache.write_back(idle=True):  # idle: a chunk per call
         assert ssd.flush(10)
         writes.append(ssd.stats()["writes"])
-    assert writes == [2, 4, 6] and ssd.stats()["writes"] == 6
-    assert cache.write_back(idle=True)  # idle: a chunk per call
-    assert ssd.flush(10) and ssd.stats()["writes"] == 8
-    assert not cache.write_back(idle=True)  # the last one; nothing waits now
+    assert writes == [2, 4, 6, 8]
     assert ssd.flush(10) and ssd.stats()["writes"] == 9
     assert cache.tiers.stats()["unwritten_blocks"] == 0
+    assert cache.tiers.stats()["device_to_host"]["handed"]["bytes"] == 8 * block_bytes + block_bytes // B
+    cache.writes_wait = False  # a CPU: the copy is a view, it follows each step
+    again = list(range(700, 700 + 4 * B))
+    cache.store(again, kv(len(again)), final=True)
+    assert cache.write_back(idle=False) and cache.write_back(idle=False) is False
+    assert ssd.flush(10) and ssd.stats()["writes"] == 13
 
     # a block the hot tier dropped (a clear of that tier alone) before its write-back is found
     other = list(range(500, 500 + 2 * B + 1))
@@ -677,7 +683,7 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle_or_too_many_wait(tm
     more = list(range(300, 300 + 4 * B))
     cache.store(more, kv(len(more)), final=True)
     cache.close(timeout=10)
-    assert ssd.flush(10) and ssd.stats()["writes"] == 13
+    assert ssd.flush(10) and ssd.stats()["writes"] == 17
     assert cache.tiers.stats()["unwritten_blocks"] == 0
     ssd.close()
 
@@ -706,7 +712,7 @@ def test_an_unwritten_block_the_hot_tier_lets_go_goes_to_the_ssd_as_the_ram_copy
     assert ssd.wait_ready(10)
     warm = HotTier(1 << 30)
     cache = PrefixCache(CacheStore(HotTier(3 * block_bytes), ssd, B, warm=warm), FP, LAYERS, "m")
-    cache.write_back_bound = 1 << 30  # as on a CUDA GPU: nothing is written while busy
+    cache.writes_wait = True  # as on a CUDA GPU: nothing is written while busy
     copies = counted_host_copies(monkeypatch)
     tokens = list(range(10, 10 + 8 * B + 1))
     cache.store(tokens, kv(len(tokens)), final=True)  # 9 blocks; the hot tier keeps the last 3
@@ -736,7 +742,7 @@ def test_without_a_ram_tier_an_evicted_unwritten_block_goes_to_the_ssd_unless_it
     ssd = SSDTier(tmp_path, 1 << 30)
     assert ssd.wait_ready(10)
     cache = PrefixCache(CacheStore(HotTier(2 * block_bytes), ssd, B), FP, LAYERS, "m")
-    cache.write_back_bound = 1 << 30
+    cache.writes_wait = True
     tokens = list(range(10, 10 + 4 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
     assert ssd.flush(10) and ssd.stats()["writes"] == 2  # the two the hot tier let go
@@ -843,7 +849,7 @@ def test_evicted_unwritten_blocks_without_a_ram_copy_are_written_by_their_own_en
     assert ssd.wait_ready(10)
     store = CacheStore(HotTier(2 * block_bytes), ssd, B)
     mine = PrefixCache(store, FP, LAYERS, "m")
-    mine.write_back_bound = 1 << 30  # as on a CUDA GPU: a busy engine writes nothing
+    mine.writes_wait = True  # as on a CUDA GPU: a busy engine writes nothing
     tokens = list(range(10, 10 + 2 * B))
     mine.store(tokens, kv(len(tokens)), final=True)
     other_model = list(range(300, 300 + 2 * B))
@@ -867,7 +873,7 @@ def test_a_block_that_waited_for_room_is_written_from_its_ram_copy(tmp_path: Pat
     assert ssd.wait_ready(10)
     warm = HotTier(1 << 30)
     cache = PrefixCache(CacheStore(HotTier(block_bytes), ssd, B, warm=warm), FP, LAYERS, "m")
-    cache.write_back_bound = 1 << 30
+    cache.writes_wait = True
     monkeypatch.setattr(ssd, "has_room", lambda: False)
     tokens = list(range(10, 10 + 3 * B))
     cache.store(tokens, kv(len(tokens)), final=True)  # two pushed out to RAM, kept waiting
@@ -1475,6 +1481,48 @@ def test_past_the_bound_a_block_the_hot_tier_lets_go_is_copied_at_once(monkeypat
     while cache.write_back(idle=True):
         pass
     assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0 and store._restored == 0
+
+
+def test_a_busy_engine_copies_blocks_out_within_its_share_of_time(monkeypatch) -> None:
+    # each copy out holds up every stream: after a long prompt's store pushed 15 GB out of an
+    # H200's hot tier, copying a block per step slowed decode from ~80 to 2-20 tok/s
+    store, (cache,) = demoting(BLOCK_BYTES)
+    cache.writes_wait = True  # as on a CUDA GPU
+    now = [0.0]
+
+    def clock() -> float:  # 10 ms pass between any two readings: each copy takes 10 ms
+        now[0] += 0.01
+        return now[0]
+
+    cache.pacer = CopyPacer(share=0.1, burst=0.02, clock=clock)
+    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)  # a block per loop, as at 8B
+    copies = counted_host_copies(monkeypatch)
+    tokens = list(range(10, 10 + 6 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    assert len(copies) == 1 and store.stats()["demoting_bytes"] == 3 * BLOCK_BYTES  # as above
+    assert cache.write_back(idle=False) and len(copies) == 2  # nothing spent yet: one copy
+    assert cache.pacer.balance == pytest.approx(-0.01)  # its 10 ms
+    assert cache.write_back(idle=False) is False and len(copies) == 2  # 30 ms later: 3 ms earned back
+    now[0] += 1.0  # a second later the balance is at most the burst: one copy
+    assert cache.write_back(idle=False) and len(copies) == 3
+    moved = store.stats()["device_to_host"]
+    assert moved["demoted"]["bytes"] == 2 * BLOCK_BYTES and moved["evicted"]["bytes"] == BLOCK_BYTES
+    cache.pacer.balance = -1.0
+    while cache.write_back(idle=True):  # idle: not paced
+        pass
+    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0
+
+
+def test_memory_the_hot_tier_yields_leaves_the_device_at_once(monkeypatch) -> None:
+    # shed blocks waiting in device memory for their RAM copy would free nothing for the
+    # sequences that asked for the room
+    store, (cache,) = demoting(1 << 30)
+    tokens = list(range(10, 10 + 2 * B))
+    cache.store(tokens, kv(len(tokens)), final=True)
+    copies = counted_host_copies(monkeypatch)
+    assert cache.yield_memory(BLOCK_BYTES) == BLOCK_BYTES
+    assert len(copies) == 1 and store.stats()["demoting_bytes"] == 0
+    assert store.warm.contains(block_keys(FP, tokens, B)[1])  # the deepest went first
 
 
 def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unload(monkeypatch) -> None:
