@@ -406,12 +406,17 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         return self.tiers.hot.held_bytes
 
     def yield_memory(self, nbytes: int) -> int:
-        """The hot tier's least recently used blocks leave device memory (to RAM or the SSD,
-        as any eviction) until `nbytes` are freed; the bytes freed. Blocks let go that would
-        wait in device memory for their RAM copy are copied now, as many bytes as were shed."""
-        freed = self.tiers.hot.shed(nbytes)
-        if freed and self.tiers.demote_bound:
-            self.tiers.demote(self.fp, limit=freed, due=True)
+        """Free `nbytes` of device memory: this model's blocks waiting for their RAM copy are
+        copied now, then the hot tier's least recently used blocks leave (to RAM or the SSD, as
+        any eviction: copied now too); the bytes freed."""
+        freed = 0
+        if self.tiers.demote_bound:
+            freed = self.tiers.demoted(self.fp, limit=nbytes, due=True)[1]
+        if freed < nbytes:
+            shed = self.tiers.hot.shed(nbytes - freed)
+            if shed and self.tiers.demote_bound:
+                self.tiers.demote(self.fp, limit=shed, due=True)
+            freed += shed
         if freed:
             log.info("hot tier yielded %d bytes of device memory to running sequences", freed)
         return freed

@@ -21,16 +21,22 @@ PROBE_SHARE = 0.1
 # A tier judged slower than recomputing this many times in a row is probed again the same way,
 # so one slow measurement (a disk busy with another process) does not turn it off for good.
 REPROBE_AFTER = 16
+# A run this many times larger than the moves from RAM their rate was measured on is restored:
+# each move has a fixed cost, so the rate grows with the size (one block ran at 1 GB/s, 4 GB at
+# 5-6), and restoring measures it at that size (docs/design/restore-or-recompute.md).
+EXTRAPOLATION = 8
 
 
 class Throughput:
     """A tier's restore rate in bytes/s: decayed bytes over decayed seconds, so each restore
     counts by its size (a one-block probe must not outvote a whole run)."""
 
-    def __init__(self, decay: float = 0.7):
+    def __init__(self, decay: float = 0.7, grows_with_size: bool = False):
         self.decay = decay
+        self.grows_with_size = grows_with_size  # a fixed cost per restore: larger ones run faster per byte
         self._bytes = 0.0
         self._seconds = 0.0
+        self._count = 0.0  # decayed number of restores measured
         self.skipped = 0  # restores judged slower than recomputing since the last measurement
 
     @property
@@ -42,18 +48,27 @@ class Throughput:
             return
         self._bytes = self.decay * self._bytes + amount
         self._seconds = self.decay * self._seconds + seconds
+        self._count = self.decay * self._count + 1
         self.skipped = 0
+
+    def extrapolates(self, amount: float) -> bool:
+        """Whether the rate grows with the size and `amount` is `EXTRAPOLATION` times the
+        restores it was measured on."""
+        return self.grows_with_size and self._count > 0 and amount > EXTRAPOLATION * self._bytes / self._count
 
     def forget(self) -> None:
         """Drop what was measured (a probe is to replace it)."""
-        self._bytes = self._seconds = 0.0
+        self._bytes = self._seconds = self._count = 0.0
 
     def state(self) -> list[float]:
-        return [self._bytes, self._seconds]
+        return [self._bytes, self._seconds, self._count]
 
     def load(self, state: Any) -> None:
+        """A saved `state`; one of two numbers (before the count) counts as one restore."""
         if state is not None:
-            self._bytes, self._seconds = (float(x) for x in state)
+            values = [float(x) for x in state]
+            self._bytes, self._seconds = values[:2]
+            self._count = values[2] if len(values) > 2 else 1.0
 
     @property
     def stale(self) -> bool:
@@ -70,7 +85,7 @@ class RestoreModel:
         self.model_id = model_id
         self.prefill = PrefillCost(prior=attention)  # `attention`: the model's b/a
         self.ssd_rate = Throughput()  # bytes/s of SSD restores
-        self.warm_rate = Throughput()  # ... of restores moved from host RAM (the warm tier)
+        self.warm_rate = Throughput(grows_with_size=True)  # ... of restores moved from host RAM (the warm tier)
         self.warm_copy_rate = (
             Throughput()
         )  # ... and copied from it (a run the hot tier cannot keep)
@@ -117,6 +132,10 @@ class RestoreModel:
         recompute_s = self.prefill.seconds(n_tokens, depth)
         if recompute_s is None or rate.value is None or not self.restore_bytes(n_tokens):
             return True, None  # no measurement yet: restoring is how we get one
+        if rate.extrapolates(self.restore_bytes(n_tokens)):
+            log.debug("%s: %d tokens at depth %d from %s, larger than what its rate was measured on: restore",
+                      self.model_id, n_tokens, depth, self.tier_name(rate))  # fmt: skip
+            return True, None
         restore_s = self.restore_bytes(n_tokens) / rate.value
         pays = restore_s < RESTORE_MARGIN * recompute_s
         if not log.isEnabledFor(logging.DEBUG):

@@ -69,6 +69,8 @@ def build_cache_store(settings: Settings) -> CacheStore | None:
         except ValueError as exc:
             raise ConfigError(f"Invalid value for ssd_cache_max_size: {exc}") from None
         ssd = SSDTier(cache_dir, ssd_bytes)
-    # on a discrete GPU, evicted blocks may wait in device memory for their RAM copy
-    demote_bound = DEMOTE_BOUND_GPU if discrete_gpu() else 0
+    # on a discrete GPU, evicted blocks may wait in device memory for their RAM copy: as many
+    # bytes as the hot tier holds (1 GiB at least); memory admission counts them, and what it
+    # asks the hot tier to yield is copied out first (docs/design/ram-moves.md)
+    demote_bound = max(DEMOTE_BOUND_GPU, hot_bytes) if discrete_gpu() else 0
     return CacheStore(HotTier(hot_bytes), ssd, settings.cache_block_size, warm=warm, demote_bound=demote_bound)

@@ -182,6 +182,10 @@ class CacheStore:
         """On that model's engine thread: copy its blocks waiting to leave device memory to RAM,
         oldest first, up to `limit` bytes (one at least), when `due` or while they fill over half of
         what may wait; True when some still wait."""
+        return self.demoted(fingerprint, limit, due)[0]
+
+    def demoted(self, fingerprint: str, limit: int, due: bool) -> tuple[bool, int]:
+        """`demote`, and the bytes it copied (or dropped) from device memory."""
         moved = 0
         while True:
             with self._leaving_lock:
@@ -189,10 +193,10 @@ class CacheStore:
                 if block is None:
                     if not self.directory.any_leaving():
                         self._restored = 0
-                    return False
+                    return False, moved
                 urgent = self.directory.leaving_bytes > self._bound() // 2
                 if not (due or urgent) or (moved and moved + block.nbytes > limit):
-                    return True
+                    return True, moved
                 block, generation = self.directory.reclaim(block.key)
                 assert block is not None
                 self._restored = max(0, self._restored - block.nbytes)  # a busy engine may never empty it

@@ -15,7 +15,7 @@ from omlx.cache.residency import ON_DEVICE, Residency
 log = logging.getLogger("omlx.cache")
 
 # Blocks the hot tier let go that may wait in device memory for their copy to RAM on a CUDA
-# GPU (`CacheStore.demote_bound`); at most WRITE_BACK_CHUNK bytes per engine loop, so a step,
+# GPU (`CacheStore.demote_bound`, at least this much); at most WRITE_BACK_CHUNK bytes per engine loop, so a step,
 # or a request arriving at an idle engine, waits for at most that much copying, or one block
 # where a block is larger (docs/design/write-back.md).
 DEMOTE_BOUND_GPU = 1 << 30

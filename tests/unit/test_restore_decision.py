@@ -1523,6 +1523,11 @@ def test_memory_the_hot_tier_yields_leaves_the_device_at_once(monkeypatch) -> No
     assert cache.yield_memory(BLOCK_BYTES) == BLOCK_BYTES
     assert len(copies) == 1 and store.stats()["demoting_bytes"] == 0
     assert store.warm.contains(block_keys(FP, tokens, B)[1])  # the deepest went first
+    more = list(range(500, 500 + 3 * B))
+    cache.store(more, kv(len(more)), final=True)  # 2 blocks pushed out wait for their copy
+    assert store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES and store.hot.stats()["blocks"] == 2
+    assert cache.yield_memory(BLOCK_BYTES) == BLOCK_BYTES  # a waiting block goes first
+    assert len(copies) == 2 and store.stats()["demoting_bytes"] == BLOCK_BYTES and store.hot.stats()["blocks"] == 2
 
 
 def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unload(monkeypatch) -> None:

@@ -198,3 +198,25 @@ def test_the_model_files_hold_no_machine_names_or_dates() -> None:
     for module in (restore_model, prefill_cost, cost_file):
         text = Path(module.__file__).read_text()
         assert "H200" not in text and "2026" not in text
+
+
+def test_a_ram_move_far_larger_than_those_measured_is_restored() -> None:
+    # moves of one block ran at 0.97 GB/s on an H200, of 4 GB at 5-6: judged at the one-block
+    # rate, 51,200 tokens of an 8B model (6.7 GB) were recomputed (6.4 s predicted, ~20 s taken)
+    # where restoring them takes ~1.2 s
+    model = model_of(1e-4, bytes_per_token=131_072)
+    for _ in range(10):
+        model.warm_rate.observe(33.5e6, 33.5e6 / 0.97e9)  # one 256-token block at a time
+    assert not model.judge(256, 0, model.warm_rate)[0]  # a block: 0.035 s against 0.026
+    assert model.judge(51_200, 0, model.warm_rate)[0]  # 200 blocks: measured by restoring them
+    model.warm_rate.observe(6.7e9, 1.2)
+    assert not model.warm_rate.extrapolates(6.7e9) and model.warm_rate.value > 4e9
+    model.ssd_rate.observe(33.5e6, 33.5e6 / 0.97e9)  # the SSD's rate does not grow so: judged
+    assert not model.ssd_rate.extrapolates(6.7e9) and not model.judge(51_200, 0, model.ssd_rate)[0]
+
+
+def test_a_rate_saved_without_its_count_loads_as_one_restore() -> None:
+    rate = Throughput(grows_with_size=True)
+    rate.load([1e9, 0.5])
+    assert rate.value == 2e9 and not rate.extrapolates(8e9) and rate.extrapolates(9e9)
+    assert len(rate.state()) == 3
