@@ -15,9 +15,9 @@ from omlx.cache.residency import ON_DEVICE, Residency
 log = logging.getLogger("omlx.cache")
 
 # Blocks the hot tier let go that may wait in device memory for their copy to RAM on a CUDA
-# GPU (`CacheStore.demote_bound`, at least this much); at most WRITE_BACK_CHUNK bytes per engine loop, so a step,
-# or a request arriving at an idle engine, waits for at most that much copying, or one block
-# where a block is larger (docs/design/write-back.md).
+# GPU (`CacheStore.demote_bound`, at least this much); at most WRITE_BACK_CHUNK bytes per
+# engine loop, so a step, or a request arriving at an idle engine, waits for at most that much
+# copying, or one block where a block is larger (docs/design/write-back.md).
 DEMOTE_BOUND_GPU = 1 << 30
 WRITE_BACK_CHUNK = 16 << 20
 # While requests run on a CUDA GPU, the engine thread's device -> host copies (RAM copies of
