@@ -52,6 +52,7 @@ class BlockDirectory:
         self._entries: dict[str, _Entry] = {}
         self._unwritten: dict[str, OrderedDict[str, None]] = {}  # fingerprint -> keys
         self._unwritten_bytes: dict[str, int] = {}
+        self._evicted: dict[str, int] = {}  # fingerprint -> its unwritten blocks marked EVICTED
         self._leaving: OrderedDict[str, None] = OrderedDict()
         self.leaving_bytes = 0
         self._staged: set[str] = set()
@@ -122,6 +123,8 @@ class BlockDirectory:
             keys = self._unwritten.get(fingerprint)
             if not keys:
                 return None, False
+            if not self._evicted.get(fingerprint):  # no scan: a busy engine asks after every step
+                return self._entries[next(iter(keys))].block, False
             for key in keys:
                 entry = self._entries[key]
                 if entry.state & Residency.EVICTED:
@@ -132,8 +135,12 @@ class BlockDirectory:
         """An unwritten block the hot tier let go that could not be handed over then (on another
         model's thread, or with the writer full): its own engine hands it over first."""
         with self.lock:
-            if self.state(key) & Residency.UNWRITTEN:
+            entry = self._entries.get(key)
+            if entry is not None and entry.state & Residency.UNWRITTEN and not entry.state & Residency.EVICTED:
                 self._set(key, Residency.EVICTED)
+                assert entry.block is not None  # an unwritten entry holds its block
+                fingerprint = entry.block.fingerprint
+                self._evicted[fingerprint] = self._evicted.get(fingerprint, 0) + 1
 
     def take_unwritten(self, block: CacheBlock) -> bool:
         """`block` no longer waits for the writer (handed over); whether it did."""
@@ -141,6 +148,8 @@ class BlockDirectory:
             entry = self._entries.get(block.key)
             if entry is None or not entry.state & Residency.UNWRITTEN:
                 return False
+            if entry.state & Residency.EVICTED:
+                self._evicted[block.fingerprint] -= 1
             self._unset(block.key, Residency.UNWRITTEN | Residency.EVICTED)
             if not entry.state & Residency.LEAVING:
                 entry.block = None
@@ -149,6 +158,7 @@ class BlockDirectory:
             self._unwritten_bytes[block.fingerprint] -= block.nbytes
             if not keys:
                 del self._unwritten[block.fingerprint], self._unwritten_bytes[block.fingerprint]
+                self._evicted.pop(block.fingerprint, None)
             return True
 
     def drop_unwritten(self, fingerprint: str) -> int:
@@ -266,6 +276,7 @@ class BlockDirectory:
                     self._entries[key] = _Entry(self._entries[key].state & TIER_STATES)
             self._unwritten.clear()
             self._unwritten_bytes.clear()
+            self._evicted.clear()
             self._leaving.clear()
             self._staged.clear()
             self.leaving_bytes = 0

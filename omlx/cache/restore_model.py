@@ -21,9 +21,8 @@ PROBE_SHARE = 0.1
 # A tier judged slower than recomputing this many times in a row is probed again the same way,
 # so one slow measurement (a disk busy with another process) does not turn it off for good.
 REPROBE_AFTER = 16
-# A run this many times larger than the moves from RAM their rate was measured on is restored:
-# each move has a fixed cost, so the rate grows with the size (one block ran at 1 GB/s, 4 GB at
-# 5-6), and restoring measures it at that size (docs/design/restore-or-recompute.md).
+# A RAM-move run this many times the mean size of the moves measured is restored: each move has
+# a fixed cost, so the rate grows with the size (docs/design/restore-or-recompute.md).
 EXTRAPOLATION = 8
 
 
@@ -52,8 +51,8 @@ class Throughput:
         self.skipped = 0
 
     def extrapolates(self, amount: float) -> bool:
-        """Whether the rate grows with the size and `amount` is `EXTRAPOLATION` times the
-        restores it was measured on."""
+        """Whether the rate grows with the size and `amount` is over `EXTRAPOLATION` times the
+        mean size of the restores measured."""
         return self.grows_with_size and self._count > 0 and amount > EXTRAPOLATION * self._bytes / self._count
 
     def forget(self) -> None:
@@ -133,8 +132,8 @@ class RestoreModel:
         if recompute_s is None or rate.value is None or not self.restore_bytes(n_tokens):
             return True, None  # no measurement yet: restoring is how we get one
         if rate.extrapolates(self.restore_bytes(n_tokens)):
-            log.debug("%s: %d tokens at depth %d from %s, larger than what its rate was measured on: restore",
-                      self.model_id, n_tokens, depth, self.tier_name(rate))  # fmt: skip
+            log.debug("%s: %d tokens at depth %d from %s, past %dx the sizes its rate is known for: restore",
+                      self.model_id, n_tokens, depth, self.tier_name(rate), EXTRAPOLATION)  # fmt: skip
             return True, None
         restore_s = self.restore_bytes(n_tokens) / rate.value
         pays = restore_s < RESTORE_MARGIN * recompute_s

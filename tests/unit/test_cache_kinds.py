@@ -225,13 +225,20 @@ def test_kv_bytes_per_token_counts_the_kv_leaves_alone(model) -> None:
     assert kv_bytes_per_token(model) % (kv_leaves or 1) == 0  # the same bytes per token per leaf here
 
 
-def test_blocks_pushed_out_to_ram_restore_equal_to_the_miss(model) -> None:
+def pushed_out_to_ram(model, seed: int, length: int) -> tuple[CacheStore, Any, list[int], list[int]]:
+    """(store, prefix cache, prompt, the miss's tokens): the prompt's blocks stored, then all
+    yielded by the hot tier to RAM."""
     store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
     pc = prefix_cache(model, store)
-    tokens = prompt(14, 3 * B + 5)
+    tokens = prompt(seed, length)
     expected, cache, states = miss(model, pc, tokens)
     pc.store(tokens[:-1], cache, final=False, boundary_states=states)
     assert pc.yield_memory(1 << 30) > 0 and store.hot.stats()["blocks"] == 0
+    return store, pc, tokens, expected
+
+
+def test_blocks_pushed_out_to_ram_restore_equal_to_the_miss(model) -> None:
+    store, pc, tokens, expected = pushed_out_to_ram(model, 14, 3 * B + 5)
     assert store.warm.stats()["blocks"] == 4  # three full blocks and the tail, as host bytes
     got, cached = hit(model, pc, tokens)
     assert got == expected and cached == len(tokens) - 1
@@ -331,12 +338,8 @@ def test_a_ram_restore_copies_the_state_of_its_last_block_alone(model, monkeypat
     from omlx.cache import block as block_module
     from omlx.cache.block_hash import block_keys
 
-    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
-    pc = prefix_cache(model, store)
-    tokens = prompt(17, 4 * B + 9)
-    _, cache, states = miss(model, pc, tokens)
-    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
-    assert pc.yield_memory(1 << 30) > 0 and store.warm.stats()["blocks"] == 5
+    store, pc, tokens, _ = pushed_out_to_ram(model, 17, 4 * B + 9)
+    assert store.warm.stats()["blocks"] == 5
     other = tokens[: 4 * B + 3] + prompt(18, B)
     expected, _, _ = miss(model, pc, other)
     made: list[list[str]] = []  # the tensors made into MLX arrays, per block read
