@@ -257,6 +257,7 @@ def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) 
     assert cache.tiers.counters.skipped_restores == 0
     restored = mx.concatenate([c.state[0] for c in caches])
     assert restored.shape == (LAYERS, 2, 8 * B, 8)
+    cache.close(timeout=1.0)  # as its engine stops: the newest measurements saved, not left to a thread
     cache.tiers.ssd.close()
     # and the measured rate is what the next process starts from
     again = open_cache(tmp_path)
