@@ -589,12 +589,18 @@ def raw_batch(
     prefill_step: int,
     with_procs: bool = True,
 ) -> dict[str, float]:
+    """Raw `BatchGenerator` over `prompts`; `build_ms`: its forward passes (graph building) per
+    step, timed as the server's step clock times them, so a slow host shows on both sides."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
+    from omlx.engine.step_clock import StepClock, TimedForward
+
+    clock = StepClock()
+    clock.start_loop()
     s = len(prompts)
     bg = BatchGenerator(
-        model,
+        TimedForward(lambda: model, clock),
         stop_tokens=[[e] for e in eos],
         completion_batch_size=s,
         prefill_batch_size=min(8, s),
@@ -606,10 +612,11 @@ def raw_batch(
     first: dict[int, float] = {}
     last: dict[int, float] = {}
     stamps: list[tuple[float, float]] = []
-    finished = 0
+    finished = steps = 0
     while finished < s:
         _, gen = bg.next()
         now = PERF()
+        steps += 1
         for r in gen:
             stamps.append((now, 1.0))
             first.setdefault(r.uid, now)
@@ -619,9 +626,9 @@ def raw_batch(
     t_end = PERF()
     bg.close()
     mx.clear_cache()
-    return summarize_streams(
-        t0, t_end, len(stamps), list(first.values()), list(last.values()), stamps
-    )
+    out = summarize_streams(t0, t_end, len(stamps), list(first.values()), list(last.values()), stamps)
+    clock.end_loop(steps)
+    return {**out, "build_ms": 1000 * clock.totals["graph_build"] / max(1, steps)}
 
 
 def summarize_streams(
@@ -1245,12 +1252,15 @@ def part_b(
         rows.append({"omlx": ours, "raw": raw})
         log(f"(b) round {r}: server {ours['aggregate_tps']:.0f} tok/s (steady {ours['steady_tps']:.0f}), raw "
             f"BatchGenerator {raw['aggregate_tps']:.0f} tok/s (steady {raw['steady_tps']:.0f}) "
-            f"-> {ours['aggregate_tps'] / raw['aggregate_tps']:.3f}x")  # fmt: skip
+            f"-> {ours['aggregate_tps'] / raw['aggregate_tps']:.3f}x; graph build ms/step: server "
+            f"{(ours['split'] or {}).get('graph_build_ms', float('nan')):.2f}, raw {raw['build_ms']:.2f} "
+            "(raw's steps include its prefill)")  # fmt: skip
     side = lambda who, key: [x[who][key] for x in rows]  # noqa: E731
     steady = median_ratio(side("omlx", "steady_tps"), side("raw", "steady_tps"))
     split = median_split([x["omlx"] for x in rows])
-    log(f"(b) {split_line(split)}")
-    return {"rounds": rows, "streams": k, "stream_tokens": n, "split": split,
+    raw_build = statistics.median(x["raw"]["build_ms"] for x in rows)
+    log(f"(b) {split_line(split)}; raw BatchGenerator's graph build {raw_build:.2f} ms per step")
+    return {"rounds": rows, "streams": k, "stream_tokens": n, "split": split, "raw_build_ms": raw_build,
             **median_ratio(side("omlx", "aggregate_tps"), side("raw", "aggregate_tps")),
             **{f"steady_{key}": v for key, v in steady.items()}}  # fmt: skip
 
@@ -1463,7 +1473,7 @@ def print_table(r: dict[str, Any]) -> None:
                   f"| {x['omlx_tps'] / x['raw_tps']:.3f}x")  # fmt: skip
         print(f"    medians: server {a['omlx_median']:.1f} | raw {a['raw_median']:.1f} | ratio {a['ratio']:.3f} "
               f"(goal >= 0.95); best {a['omlx_best']:.1f} / {a['raw_best']:.1f} = {a['best_ratio']:.3f}")  # fmt: skip
-        print(f"    {split_line(a.get('split'))}")
+        print(f"    {split_line(a.get('split'))}; raw's graph build {a.get('raw_build_ms', float('nan')):.2f}")
         if "engine_tps" in a:
             print(f"    references: raw in a fresh process {a['raw_fresh_process_tps']:.1f}, raw BatchGenerator "
                   f"{a['raw_batchgen_tps']:.1f}, LLMEngine in-process {a['engine_tps']:.1f} tok/s")  # fmt: skip
@@ -1478,7 +1488,7 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"    medians: server {b['omlx_median']:.0f} | raw {b['raw_median']:.0f} | ratio {b['ratio']:.3f} "
               f"(goal >= 0.9); steady {b['steady_omlx_median']:.0f} vs {b['steady_raw_median']:.0f} "
               f"({b['steady_ratio']:.3f}); best {b['omlx_best']:.0f} / {b['raw_best']:.0f} = {b['best_ratio']:.3f}")  # fmt: skip
-        print(f"    {split_line(b.get('split'))}")
+        print(f"    {split_line(b.get('split'))}; raw's graph build {b.get('raw_build_ms', float('nan')):.2f}")
     if "c" in r:
         for n, row in r["c"].get("rows", {}).items():
             print(
