@@ -87,6 +87,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         # (charged to the SSD's restore rate)
         self._staged_s_per_byte = 0.0
         self._staged_read_s = 0.0
+        self._cut_ahead = False  # the staged read-ahead was cut short: its lookup reads no more from the SSD
         # the block keys `prefetch` hashed, for the `lookup` of the same request (both are
         # asked at its admission, and a long prompt's hashing is not free)
         self._keys_ahead: tuple[list[int], int, list[str]] | None = None
@@ -127,6 +128,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         finally:  # one request's read-ahead; what it did not use goes
             self.tiers.directory.unstage_all(self.fp)
             self._staged_s_per_byte = self._staged_read_s = 0.0
+            self._cut_ahead = False
 
     def _prompt_keys(self, tokens: list[int], keep: bool = False) -> list[str]:
         """`tokens`' block keys, hashed once per admission: `prefetch` keeps them (`keep`) for
@@ -159,7 +161,13 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
                 self.warm_rate if move else self.warm_copy_rate, restored, chain,
             )  # fmt: skip
             blocks += got
-        if ssd is not None and not skipped:
+        if ssd is not None and not skipped and self._cut_ahead:  # what was read, then recompute
+            run = self._run_in(keys, len(blocks), limit, self.tiers.directory.is_staged)
+            got, seconds = self._fetch(run, self._from_ssd, chain)
+            if got:
+                restored.append((self.ssd_rate, sum(b.nbytes for b in got), seconds))
+            blocks, skipped = blocks + got, True
+        elif ssd is not None and not skipped:
             run = self._run_in(keys, len(blocks), limit, lambda k: self.tiers.directory.is_staged(k) or ssd.contains(k, self.fp))
             got, skipped = self._restore_run(run, len(blocks) * self.B, self._from_ssd, self.ssd_rate, restored, chain)
             blocks += got

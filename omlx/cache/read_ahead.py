@@ -14,6 +14,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx.cache.block import CacheBlock
+from omlx.cache.read_watch import ReadWatch, finished_read
 from omlx.cache.restore_model import log_judgement
 from omlx.cache.ssd_format import KV_PART
 
@@ -41,6 +42,7 @@ class Prefetch:
     moved_bytes: int = 0
     chain: frozenset[str] = frozenset()  # the prompt's block keys: moving in evicts none of them
     loops: int = 0
+    watch: ReadWatch | None = None  # the SSD reads judged again as they finish (cut short when slow)
 
     @property
     def needs_engine(self) -> bool:
@@ -114,7 +116,23 @@ class ReadAhead:
         log_judgement(ram_why if ram_run else None)
         log_judgement(ssd_why if run else None)
         when_all_done(futures, on_done)
-        return Prefetch(run, futures, ram_run, chain=frozenset(keys))
+        watch = self._watch(futures, (start + len(ram_run)) * self.B, on_done) if futures else None
+        return Prefetch(run, futures, ram_run, chain=frozenset(keys), watch=watch)
+
+    def _watch(self, futures: list[Any], depth: int, on_done: Callable[[], None]) -> ReadWatch | None:
+        """A `ReadWatch` over the SSD reads of a run `depth` tokens in (None while recomputing it
+        cannot be estimated): a read-ahead judged on a wrong rate is cut short, not waited out."""
+        B = self.B
+        rest = [self.prefill.seconds((len(futures) - k) * B, depth + k * B) for k in range(len(futures) + 1)]
+        if any(s is None for s in rest):
+            return None
+        watch = ReadWatch(
+            futures, self.costs.bytes_per_token * B if self.by_part else self.block_bytes, rest,
+            workers=self.tiers.ssd.read_workers, expected_rate=self.ssd_rate.value, upload_rate=self.warm_rate.value,
+            on_cut=on_done,
+        )  # fmt: skip
+        watch.begin()
+        return watch
 
     def advance(self, prefetched: Prefetch, move: bool, alone: bool = False) -> bool:
         """Engine thread, once per loop: with `move`, up to `RESTORE_CHUNK` bytes of the RAM run
@@ -158,16 +176,30 @@ class ReadAhead:
                         self.model_id, prefetched.moved_bytes, prefetched.loops, prefetched.moving_s,
                         toc - prefetched.first_move,
                     )  # fmt: skip
-        return not prefetched.ram_keys and all(f.done() for f in prefetched.futures)
+        cut = prefetched.watch is not None and prefetched.watch.cut
+        return not prefetched.ram_keys and (cut or all(f.done() for f in prefetched.futures))
 
     def take(self, prefetched: Prefetch) -> None:
         """Stage a finished prefetch's blocks for the next `lookup` (up to the first that
-        could not be read)."""
+        could not be read). A read-ahead cut short for its slowness sets the SSD's rate to what its
+        reads showed, and the `lookup` restores what was read and recomputes the rest."""
         self.tiers.directory.unstage_all(self.fp)
+        watch = prefetched.watch
+        if watch is not None:
+            watch.close()
+            if watch.cut:
+                self._cut_ahead = True
+                self.ssd_rate.forget()  # measured at this run's size just now: what it was before is wrong
+                self.ssd_rate.observe(max(watch.read_bytes, watch.block_bytes), watch.cut_after)
+                self._save_costs(force=True)
+                log.info(
+                    "%s: the SSD read-ahead was cut short after %.3fs (%d bytes read): slower than recomputing",
+                    self.model_id, watch.cut_after, watch.read_bytes,
+                )  # fmt: skip
         reads = []
         for future in prefetched.futures:
-            read = future.result() if future.done() and future.exception() is None else None
-            if read is None or read.block is None:
+            read = finished_read(future)
+            if read is None:
                 break
             self.tiers.directory.stage(read.block)
             reads.append(read)

@@ -24,6 +24,11 @@ REPROBE_AFTER = 16
 # A RAM-move run this many times the mean size of the moves measured is restored: each move has
 # a fixed cost, so the rate grows with the size (docs/design/restore-or-recompute.md).
 EXTRAPOLATION = 8
+# A restore of at least `RESET_BYTES` that ran below this share of a tier's estimate replaces its
+# history: the page cache served what was measured before, the disk serves it now (a restart, memory
+# pressure), and a byte-weighted history of large fast restores would outvote the slow one.
+SLOW_RESET = 0.5
+RESET_BYTES = 16 << 20
 
 
 class Throughput:
@@ -43,8 +48,13 @@ class Throughput:
         return self._bytes / self._seconds if self._seconds > 0 else None
 
     def observe(self, amount: float, seconds: float) -> None:
+        """One restore of `amount` bytes in `seconds`; a large one far slower than the estimate
+        replaces the history (`SLOW_RESET`), except where the rate grows with the size."""
         if seconds <= 0 or amount <= 0:
             return
+        value = self.value
+        if not self.grows_with_size and value is not None and amount >= RESET_BYTES and amount / seconds < SLOW_RESET * value:
+            self.forget()
         self._bytes = self.decay * self._bytes + amount
         self._seconds = self.decay * self._seconds + seconds
         self._count = self.decay * self._count + 1

@@ -99,6 +99,11 @@ class SSDTier:
         return self._max_bytes > 0
 
     @property
+    def read_workers(self) -> int:
+        """Reads that run at once on each of the reader pools."""
+        return self._reads.workers
+
+    @property
     def cache_dir(self) -> Path:
         return self._dir
 

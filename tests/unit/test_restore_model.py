@@ -10,19 +10,22 @@ import ast
 import json
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from omlx.cache import cost_file, prefill_cost, restore_model
+from omlx.cache import cost_file, prefill_cost, read_watch, restore_model
 from omlx.cache.cost_file import CostFile
 from omlx.cache.prefill_cost import PrefillCost
+from omlx.cache.read_watch import ReadWatch
 from omlx.cache.restore_model import REPROBE_AFTER, RESTORE_MARGIN, RestoreModel, Throughput
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", [restore_model, prefill_cost, cost_file])
+@pytest.mark.parametrize("module", [restore_model, prefill_cost, cost_file, read_watch])
 def test_the_model_imports_no_mlx(module) -> None:
     tree = ast.parse(Path(module.__file__).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
@@ -220,3 +223,75 @@ def test_a_rate_saved_without_its_count_loads_as_one_restore() -> None:
     rate.load([1e9, 0.5])
     assert rate.value == 2e9 and not rate.extrapolates(8e9) and rate.extrapolates(9e9)
     assert len(rate.state()) == 3
+
+
+def test_a_large_restore_far_slower_than_the_estimate_replaces_the_history() -> None:
+    # restores served by the page cache, then the disk's own rate after a restart: a byte-weighted
+    # history of large fast restores would have kept the estimate at ~2 GB/s after a 0.67 GB/s one
+    rate = Throughput()
+    for _ in range(5):
+        rate.observe(8e9, 1.6)  # 5 GB/s
+    rate.observe(6.3e9, 9.4)
+    assert rate.value == pytest.approx(6.3e9 / 9.4)
+    rate.observe(4e6, 1.0)  # a small read, slow: its fixed costs, not the disk's rate
+    assert rate.value > 5e8  # weighed in, not the new estimate
+    moves = Throughput(grows_with_size=True)  # RAM moves: small ones are slow per byte anyway
+    moves.observe(8e9, 1.6)
+    moves.observe(6.3e9, 9.4)
+    assert moves.value > (8e9 + 6.3e9) / (1.6 + 9.4) * 0.99 * 0.7
+
+
+def finished(nbytes: int) -> Future:
+    from types import SimpleNamespace
+
+    from omlx.cache.ssd_reads import TimedRead
+
+    future: Future = Future()
+    future.set_result(TimedRead(SimpleNamespace(nbytes=nbytes), 0.0, 0.0))
+    return future
+
+
+def test_reads_ahead_going_as_judged_are_never_cut() -> None:
+    futures = [Future() for _ in range(8)]
+    watch = ReadWatch(futures, 100, [8.0 - k for k in range(9)], workers=4, expected_rate=100.0, start=0.0)
+    for i in range(4):
+        futures[i] = watch.futures[i] = finished(100)
+    assert not watch.check(now=1.0)  # 400 bytes in 1 s: 4 blocks left, 4 s against 4 s to recompute them
+    assert not watch.cut and not any(f.cancelled() for f in futures[4:])
+
+
+def test_reads_ahead_slower_than_recomputing_are_cut_short_and_the_rest_cancelled() -> None:
+    cuts: list[int] = []
+    futures = [finished(100) for _ in range(4)] + [Future() for _ in range(8)]
+    futures[4].set_running_or_notify_cancel()  # being read: it finishes, its block unused
+    watch = ReadWatch(futures, 100, [(12.0 - k) / 2 for k in range(13)], workers=4, expected_rate=1000.0,
+                      on_cut=lambda: cuts.append(1), start=0.0)  # fmt: skip
+    assert watch.check(now=4.0)  # 400 bytes in 4 s: 8 blocks left, 8 s against 4 s to recompute
+    assert watch.cut and watch.read_bytes == 400 and watch.cut_after == 4.0 and cuts == [1]
+    assert not futures[4].cancelled() and all(f.cancelled() for f in futures[5:])
+    assert not watch.check(now=5.0) and cuts == [1]  # judged once
+
+
+def test_a_stalled_disk_is_cut_at_the_deadline() -> None:
+    # nothing finished after a tenth of recomputing the run (10 s): the request recomputes
+    futures = [Future() for _ in range(8)]
+    watch = ReadWatch(futures, 100, [10.0] * 9, workers=4, expected_rate=1e6, start=0.0)
+    assert watch.deadline == pytest.approx(read_watch.CUT_SHARE * 10.0)
+    assert not watch.check(now=0.5)  # too early to tell
+    assert watch.check(now=1.5) and all(f.cancelled() for f in futures)
+
+
+def test_a_short_run_waits_for_the_time_its_first_reads_should_take() -> None:
+    # recompute 0.01 s, but the first four reads were expected to take 0.4 s: not judged before 0.8 s
+    watch = ReadWatch([Future() for _ in range(4)], 100, [0.01] * 5, workers=4, expected_rate=1000.0, start=0.0)
+    assert watch.deadline == pytest.approx(read_watch.FIRST_READS_SLACK * 0.4)
+    assert not watch.check(now=0.5) and watch.check(now=0.9)
+
+
+def test_the_deadline_is_judged_without_a_read_finishing() -> None:
+    cuts = threading.Event()
+    futures = [Future() for _ in range(4)]
+    watch = ReadWatch(futures, 100, [0.2] * 5, workers=4, on_cut=cuts.set)
+    watch.begin()
+    assert cuts.wait(5) and watch.cut and all(f.cancelled() for f in futures)
+    assert watch.cut_after < 1.0
