@@ -124,6 +124,12 @@ SETTINGS: tuple[Setting, ...] = (
         "cache_block_size", int, 256, "Tokens per prefix-cache block.", minimum=16
     ),
     Setting(
+        "stateful_block_size",
+        str,
+        "auto",
+        "Tokens per prefix-cache block of a model with sliding-window or recurrent layers, whose every block also holds those layers' whole state: restores of such a model are granular to it. auto: the chunk a prompt alone is prefilled in (2048 on a CUDA GPU, --prefill-step-size elsewhere), so capturing the states never cuts a prefill chunk short.",
+    ),
+    Setting(
         "hot_cache_max_size",
         str,
         "10%",

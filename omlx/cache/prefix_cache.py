@@ -61,14 +61,16 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         model_id: str,
         attention: float | None = None,
         kinds: CacheKinds | None = None,
+        block_size: int = 0,
     ):
+        """`block_size`: tokens per block (0: the store's; a model with stateful layers may have its own)."""
         self.tiers = store
         # per-leaf cache kinds; None or plain KV: blocks as before kinds existed (docs/design/cache-kinds.md)
         self.kinds = kinds if kinds is not None and not kinds.plain_kv else None
         # with layer states: a restore reads its blocks' KV and its last block's state apart
         self.by_part = self.kinds is not None and self.kinds.stateful
         self.fp = fingerprint
-        self.B = self.block_size = store.block_size
+        self.B = self.block_size = block_size or store.block_size
         self.num_layers = num_layers
         self.model_id = model_id
         # restore or recompute: the prefill cost on this device and each slow tier's rate
@@ -262,10 +264,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
+        most_bytes: int = 0,
     ) -> int:
-        """Store every full block not cached yet and the unfinished tail as a partial block, from
-        token `start` on; 0 when done, else where the blocks left for a later call begin (`tokens` past
-        what `cache` holds are cut, but a cache of recurrent layers alone cannot tell: cache-kinds.md)."""
+        """Store every full block not cached yet and the unfinished tail as a partial block, from token
+        `start` on, at most `most_bytes` of them (0: all); 0 when done, else where the rest begin (`tokens`
+        past what `cache` holds are cut; a cache of recurrent layers alone cannot tell: cache-kinds.md)."""
         held = self._cache_length(cache, len(tokens))
         n_tokens = min(len(tokens), held)
         tokens = tokens[:n_tokens]
@@ -286,11 +289,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         if start and keys and not (known(keys[0]) or self._kv_only(keys[0])):  # cleared, or let go meanwhile: the rest would hang off nothing
             return 0
         chain, new = self._chain_and_new(tokens, keys, start, known)
-        rest = 0
-        if final and ram_is_enough:
-            per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self.block_bytes))
-            if len(new) > per_call:
-                rest, new = new[per_call][2], new[:per_call]
+        new, rest = self._first_piece(new, write_back.WRITE_BACK_CHUNK if final and ram_is_enough else most_bytes)
         states = None
         if self.kinds is not None:  # a block of stateful layers only with their state at its end
             new, states = self._states_at_ends(new, cache, held, boundary_states or {})
@@ -313,6 +312,13 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         if blocks:
             self._learn_size(blocks[0])
         return rest
+
+    def _first_piece(
+        self, new: list[tuple[str, str | None, int, int]], most_bytes: int
+    ) -> tuple[list[tuple[str, str | None, int, int]], int]:
+        """The blocks of `new` within `most_bytes` (at least one; 0: all), and where the rest begin (0: none)."""
+        per_call = max(1, most_bytes // max(1, self.block_bytes)) if most_bytes else len(new)
+        return (new[:per_call], new[per_call][2]) if len(new) > per_call else (new, 0)
 
     def _chain_and_new(
         self, tokens: list[int], keys: list[str], start: int, known: Callable[[str], bool]
@@ -454,10 +460,12 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
             self.cost_file.save(self.costs, force=force, wait=wait)
 
 
-def make_prefix_cache(store: CacheStore, loaded: Any, *, captures_states: bool = False) -> PrefixCacheInterface:
-    """The factory the engine pool calls on the engine thread after a model loads; a model with
-    stateful layers (rotating windows, recurrent arrays) is cached only for an engine that
-    `captures_states` (ends prefill chunks on `capture_points` and passes `snapshot`s to `store`)."""
+def make_prefix_cache(
+    store: CacheStore, loaded: Any, *, captures_states: bool = False, stateful_block_size: int = 0
+) -> PrefixCacheInterface:
+    """The factory the engine pool calls on the engine thread after a model loads; a model with stateful
+    layers (windows, recurrent arrays) is cached only for an engine that `captures_states` (chunks end on
+    `capture_points`, `snapshot`s go to `store`), in blocks of `stateful_block_size` (0: the store's)."""
     kinds, reason = model_kinds(loaded.model)
     if kinds is not None and kinds.stateful and not captures_states:
         names = sorted({type(c).__name__ for c in flatten(make_prompt_cache(loaded.model))})
@@ -465,12 +473,13 @@ def make_prefix_cache(store: CacheStore, loaded: Any, *, captures_states: bool =
     if kinds is None:
         log.warning("model %s is served without the prefix cache: %s", loaded.info.id, reason)
         return NoCache()
+    block_size = (stateful_block_size if kinds.stateful else 0) or store.block_size
     fp = model_fingerprint(
-        loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, kinds.kv_format(), store.block_size
+        loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, kinds.kv_format(), block_size
     )
     try:
         attention = attention_ratio(loaded.model)
     except (AttributeError, TypeError, ValueError, KeyError):  # a prior for an estimate: never worth failing a load over
         log.warning("model %s: attention's share of the prefill cost not read from its shapes", loaded.info.id)
         attention = None
-    return PrefixCache(store, fp, len(kinds.leaves), loaded.info.id, attention=attention, kinds=kinds)
+    return PrefixCache(store, fp, len(kinds.leaves), loaded.info.id, attention=attention, kinds=kinds, block_size=block_size)

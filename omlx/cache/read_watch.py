@@ -1,7 +1,6 @@
-"""A read-ahead's SSD reads judged again while they run: once the rate they show makes the rest
-of the run slower to restore than to recompute, the reads not yet started are cancelled and the
-request goes on with what was read (docs/design/restore-or-recompute.md, "Cut short"). Pure
-numbers and futures, no MLX; safe on any thread."""
+"""A read-ahead's SSD reads judged again while they run, and cut short once the rest would restore
+slower than it recomputes (docs/design/restore-or-recompute.md, "When the estimate is wrong").
+Numbers and futures, no MLX; any thread."""
 
 from __future__ import annotations
 
@@ -29,13 +28,9 @@ def finished_read(future: Future[Any]) -> Any | None:
 
 
 class ReadWatch:
-    """Watches one read-ahead of `len(futures)` blocks, `block_bytes` each, started at `start`.
-
-    `recompute_rest[k]`: seconds recomputing blocks k.. of the run would add (k = 0 .. n);
-    `expected_rate`: the bytes/s the restore was judged on; `upload_rate`: bytes/s of moving read
-    bytes into device memory (None: free, as on a CPU or unified memory). The reads go on while the
-    rest restores faster than it recomputes, judged once `workers` reads finished or the deadline
-    passed (`CUT_SHARE`); else `cut` is set and `on_cut` called once."""
+    """One read-ahead of `len(futures)` blocks of `block_bytes`: `recompute_rest[k]` is what recomputing
+    blocks k.. adds, `expected_rate` the rate it was judged on, `upload_rate` that of moving bytes to the
+    device (None: free). Judged once `workers` reads finish or at the deadline; a cut calls `on_cut`."""
 
     def __init__(
         self,

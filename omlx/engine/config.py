@@ -73,6 +73,18 @@ class EngineConfig:
         """Newcomers prefilled per step (each by a chunk), as mlx-lm's own prefill would."""
         return min(8, self.max_concurrent)
 
+    def stateful_block_size(self, setting: str) -> int:
+        """Tokens per prefix-cache block of a model with stateful layers: `setting` ("auto" or a
+        count); auto is a lone prompt's prefill chunk, so that its chunks end on block boundaries
+        as they would without the cache (docs/design/cache-kinds.md, "Block size"). ValueError on
+        a bad count."""
+        if setting == "auto":
+            return self.solo_prefill_step_size
+        tokens = int(setting)
+        if tokens < 16:
+            raise ValueError(f"{tokens} tokens is under the 16 a block needs at least")
+        return tokens
+
     def prefill_grid(self, block_size: int) -> int:
         """Prefill chunks start and end on multiples of this (0: anywhere): by default where
         the engine prefills, the prefix cache's `block_size` (else `PREFILL_QUANTUM`). It

@@ -416,7 +416,8 @@ class LLMEngine:
         self._apply(result)
         tic = PERF()
         if plan.solo is not None and plan.solo.status is not Status.FINISHED:
-            self.runner.store_solo_prompt(plan.solo)  # once its first token is out
+            # once its first token is out; a piece at a time unless a request waits (it may share it)
+            self.runner.store_solo_prompt(plan.solo, paced=not self.scheduler.waiting)
         for state in result.prompt_stores:
             self.runner.store_batch_prompt(state)
         self.runner.clock.add("cache", PERF() - tic)

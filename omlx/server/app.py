@@ -20,6 +20,7 @@ from omlx.cache.prefix_cache import make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
 from omlx.cache.store import CacheStore
+from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.embedding_engine import encoder_factories
 from omlx.engine.llm_engine import LLMEngine
@@ -51,6 +52,14 @@ def llm_factory(
         kv_memory = None if settings.max_kv_memory == "auto" else parse_size(settings.max_kv_memory, total=memory_limit_total())
     except ValueError as exc:
         raise ConfigError(f"Invalid value for max_kv_memory: {exc}") from None
+    try:
+        config = EngineConfig.resolve(prefill_step_size=settings.prefill_step_size)  # what each engine resolves
+        stateful_block = config.stateful_block_size(settings.stateful_block_size)
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for stateful_block_size: {exc}") from None
+    cache_factory = None
+    if store is not None:
+        cache_factory = partial(make_prefix_cache, store, captures_states=True, stateful_block_size=stateful_block)
 
     def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
         return LLMEngine(
@@ -59,7 +68,7 @@ def llm_factory(
             max_concurrent=settings.max_concurrent_requests,
             max_waiting=settings.max_waiting_requests,
             prefill_step_size=settings.prefill_step_size,
-            prefix_cache_factory=None if store is None else partial(make_prefix_cache, store, captures_states=True),
+            prefix_cache_factory=cache_factory,
             on_finished=on_finished,
             graph_warmup_tokens=settings.graph_warmup_tokens,
             max_kv_memory=kv_memory,

@@ -62,7 +62,7 @@ def cached_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cached(models: Path, cached_home: Path) -> Iterator[ServerProcess]:
-    server = serve(cached_home, models, "--cache-block-size", str(BLOCK))
+    server = serve(cached_home, models, "--cache-block-size", str(BLOCK), "--stateful-block-size", str(BLOCK))
     yield server
     server.stop()
 
@@ -170,7 +170,7 @@ def test_a_restart_serves_from_the_ssd_as_the_miss(cached, uncached, models, cac
         chat(cached, m, messages)
     cached.stop()
     make_recompute_look_slow(cached_home)  # a tiny model recomputes faster than the SSD restores
-    restarted = serve(cached_home, models, "--cache-block-size", str(BLOCK))
+    restarted = serve(cached_home, models, "--cache-block-size", str(BLOCK), "--stateful-block-size", str(BLOCK))
     try:
         for m, messages in prompts.items():
             got = chat(restarted, m, messages)
@@ -184,7 +184,7 @@ def test_a_sequence_paused_for_memory_goes_on_from_its_stored_states(models, unc
     """Two long answers outgrow `--max-kv-memory` (gpt-oss: 512 bytes a token of its full layers,
     1 MiB holds 2,048 tokens): the newest pauses, its cache and states go to the prefix cache, and
     it goes on from there as it would alone."""
-    server = serve(tmp_path / "home", models, "--cache-block-size", str(BLOCK), "--max-kv-memory", "1MiB")
+    server = serve(tmp_path / "home", models, "--cache-block-size", str(BLOCK), "--stateful-block-size", str(BLOCK), "--max-kv-memory", "1MiB")
     model = "gpt-oss-w8"
 
     def complete(target: ServerProcess, prompt: list[int]) -> str:

@@ -82,6 +82,28 @@ def test_the_factory_caches_stateful_models_only_for_an_engine_that_captures_sta
     assert NoCache().capture_points(70, 0) == [] and NoCache().snapshot([]) is None
 
 
+def test_a_stateful_model_s_blocks_are_a_prefill_chunk_long_by_default(tmp_path: Path) -> None:
+    # capturing a state at every 256-token block cut a 2,048-token GPU prefill chunk into eight and
+    # stored eight windows or recurrent states (docs/design/cache-kinds.md, "Block size")
+    import mlx_lm
+
+    from omlx.engine.config import EngineConfig
+
+    config = EngineConfig.resolve(prefill_step_size=64, solo_prefill_step_size=128)
+    assert config.stateful_block_size("auto") == 128 and config.stateful_block_size("48") == 48
+    with pytest.raises(ValueError):
+        config.stateful_block_size("8")
+    store = CacheStore(HotTier(1 << 30), None, 16)
+    folder = build_tiny_arch(tmp_path / "lfm2", ARCHS["lfm2"](0))
+    stateful = make_prefix_cache(store, loaded(folder, mlx_lm.load(str(folder))[0]), captures_states=True, stateful_block_size=128)
+    assert stateful.block_size == 128 and stateful.capture_points(300, 0) == [128, 256]
+    same = make_prefix_cache(store, loaded(folder, mlx_lm.load(str(folder))[0]), captures_states=True, stateful_block_size=16)
+    assert same.fp != stateful.fp  # blocks of another size never serve it
+    llama = build_tiny_llama(tmp_path / "llama", layers=2, hidden=64, heads=2, kv_heads=1)
+    plain = make_prefix_cache(store, loaded(llama, mlx_lm.load(str(llama))[0]), captures_states=True, stateful_block_size=128)
+    assert plain.block_size == 16  # plain KV keeps the store's blocks
+
+
 def stateful_block(i: int, tokens: int = 16) -> CacheBlock:
     tensors = {
         "0.keys": mx.full((1, 2, tokens, 8), float(i)),

@@ -5,7 +5,7 @@ const SETTING_GROUPS = [
   ["Server", ["host", "port", "api_key", "log_level"]],
   ["Models", ["model_dir", "model", "compute_dtype", "max_model_memory", "idle_timeout", "hf_endpoint"]],
   ["Requests", ["max_concurrent_requests", "max_waiting_requests", "prefill_step_size", "default_max_tokens", "keepalive_interval"]],
-  ["Prefix cache", ["cache_dir", "cache_block_size", "hot_cache_max_size", "ssd_cache_max_size", "hot_cache_only", "no_cache"]],
+  ["Prefix cache", ["cache_dir", "cache_block_size", "stateful_block_size", "hot_cache_max_size", "ssd_cache_max_size", "hot_cache_only", "no_cache"]],
 ];
 
 App.page("settings", {
