@@ -673,7 +673,8 @@ def server_batch(
         [r["end"] for r in recs],
         stamps,
     )
-    return {**out, "retries": sum(r.get("retries", 0) for r in recs)}
+    cpu = sum({id(f): r["group_cpu_s"] for f in futures for r in f.result()[:1]}.values())
+    return {**out, "retries": sum(r.get("retries", 0) for r in recs), "client_cpu_s": cpu}
 
 
 # ----------------------------------------------------------------------------- profiling
@@ -909,6 +910,10 @@ def main() -> None:
         "at batch 1 and oMLX's LLMEngine in this process (no HTTP).",
     )
     ap.add_argument("--client-procs", type=int, default=8)
+    ap.add_argument(
+        "--one-client-round", action="store_true",
+        help="(b) ends with one more server round whose streams all come from one client process (its CPU time reported).",
+    )  # fmt: skip
     ap.add_argument("--peer-streams", type=int, default=8, help="Concurrent streams of part (f).")
     ap.add_argument("--ttft-lengths", default="8000,32000")
     ap.add_argument(
@@ -1260,9 +1265,16 @@ def part_b(
     split = median_split([x["omlx"] for x in rows])
     raw_build = statistics.median(x["raw"]["build_ms"] for x in rows)
     log(f"(b) {split_line(split)}; raw BatchGenerator's graph build {raw_build:.2f} ms per step")
-    return {"rounds": rows, "streams": k, "stream_tokens": n, "split": split, "raw_build_ms": raw_build,
-            **median_ratio(side("omlx", "aggregate_tps"), side("raw", "aggregate_tps")),
-            **{f"steady_{key}": v for key, v in steady.items()}}  # fmt: skip
+    b = {"rounds": rows, "streams": k, "stream_tokens": n, "split": split, "raw_build_ms": raw_build,
+         **median_ratio(side("omlx", "aggregate_tps"), side("raw", "aggregate_tps")),
+         **{f"steady_{key}": v for key, v in steady.items()}}  # fmt: skip
+    if args.one_client_round:  # a diagnostic: the same streams from one client process's threads
+        settle(srv)
+        texts = [wl.text(tokenizer, args.prompt_tokens) for _ in range(k)]
+        b["one_client_process"] = single = server_batch(pool, srv.url, [wl.chat_body(t, n) for t in texts], 1)
+        log(f"(b) one client process of {k} threads: {single['aggregate_tps']:.0f} tok/s, its CPU "
+            f"{single['client_cpu_s']:.2f}s over {single['wall_s']:.2f}s")  # fmt: skip
+    return b
 
 
 def part_f(args: Any, wl: Workload, tokenizer: Any, pool: Any, ours: Server, peer: Server) -> dict[str, Any]:
