@@ -3,13 +3,15 @@
 
 Parts (`--parts`, any of them; each prints its rows in the one table at the end):
 
-  restart  Llama-3.1-8B shape: each round a fresh cache. One server process stores a
-           conversation of each `--lengths` (a cold prompt each) and stops; the page cache is
-           dropped (`--keep-page-cache` keeps it); the restarted server first prefills an untimed
-           new prompt of the longest length (so both sides below hold the same attention graphs),
-           then per length answers the conversation + 16 new tokens (restored from the SSD, cut
-           short, or recomputed: its own decision) and a new prompt of the same length (cold).
-           The ratio after-restart / cold per round, medians over `--restarts` rounds (goal <= 1.1).
+  restart  Llama-3.1-8B shape: one server process stores a conversation of each `--lengths` (a
+           cold prompt each) and stops. Then `--restarts` times: the saved measurements put back as
+           it left them (or with the SSD rate set to `--wrong-ssd-rate` GB/s, as a page cache can
+           make it), the page cache dropped (`--keep-page-cache` keeps it), the server and a
+           `--no-cache` one started fresh (the same attention graphs built), and per length the
+           conversation + 16 new tokens (restored from the SSD, cut short, or recomputed: its own
+           decision) against a new prompt of that length on the --no-cache server (cold). The
+           ratio per restart, medians over the restarts (goal <= 1.1). Each timed request comes
+           after the server has been idle `IDLE_BEFORE` s.
   cold     cold prompts of `--cold-lengths` on a server with the cache (defaults) and one with
            `--no-cache`, rounds alternating (`--rounds`, after one untimed warm-up round): TTFT and
            the decode rate of the 16 tokens after the prompt, for a plain-KV model (8B shape), a
@@ -112,11 +114,14 @@ def body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "stream_options": {"include_usage": True}}  # fmt: skip
 
 
-def timed(server: Server, model: str, prompt: list[int], max_tokens: int = 17) -> dict[str, Any]:
-    """One request once the server is quiet: TTFT, cached tokens, the decode rate after the first token."""
+def timed(server: Server, model: str, prompt: list[int], max_tokens: int = 17, writes: bool = True) -> dict[str, Any]:
+    """One request once the server is idle (`writes`: and its SSD writes are done) and has been so for
+    `IDLE_BEFORE` s, as a user's request after a pause: TTFT, cached tokens, the decode rate after it."""
     server.wait_idle()
-    server.wait_ssd_writes()
+    if writes:
+        server.wait_ssd_writes()
     server.wait_warmed()
+    time.sleep(IDLE_BEFORE)  # an idle engine empties MLX's buffer cache: every timed request starts so
     rec = one(server.url, body(model, prompt, max_tokens))
     if not rec.get("times"):
         raise RuntimeError(f"{server.label}: no token came back: {rec.get('error') or rec.get('finish_reason')}")
@@ -124,42 +129,59 @@ def timed(server: Server, model: str, prompt: list[int], max_tokens: int = 17) -
             "decode_tps": bg.stream_rate(rec)}  # fmt: skip
 
 
+IDLE_BEFORE = 1.0
+
+
+def saved_rates(home: Path) -> list[Path]:
+    return sorted((home / "cache" / "costs").glob("*.json"))
+
+
 def part_restart(args: Any, models_root: Path, homes: Path, res: dict[str, Any], save: Any) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     wl = Workload(args.shape, [EOS], seed=args.seed)
-    extra = ["--ssd-cache-max-size", args.ssd_size, "--graph-warmup-tokens", str(max(lengths) + 64),
-             *args.server_args.split()]  # fmt: skip
-    rounds = res.setdefault("restart", {"lengths": lengths, "rounds": []})["rounds"]
-    for r in range(args.restarts):
-        home = homes / f"restart-{r}"
-        shutil.rmtree(home, ignore_errors=True)
-        srv = Server(f"omlx restart round {r}", models_root, args.shape, home, extra)
-        convs = {n: wl.prompt(n) for n in lengths}
-        try:
-            srv.start()
-            srv.wait_ready()
-            for n in lengths:
-                timed(srv, args.shape, convs[n], 2)  # stored: the conversation so far
-            srv.wait_idle()
-            srv.wait_ssd_writes()
-            srv.stop()  # its close saves the measurements beside the blocks
+    common = ["--graph-warmup-tokens", str(max(lengths) + 64), *args.server_args.split()]
+    home = homes / "restart"
+    shutil.rmtree(home, ignore_errors=True)
+    srv = Server("omlx", models_root, args.shape, home, ["--ssd-cache-max-size", args.ssd_size, *common])
+    ref = Server("omlx --no-cache", models_root, args.shape, homes / "restart-nocache", ["--no-cache", *common])
+    part = res.setdefault("restart", {"lengths": lengths, "wrong_ssd_rate": args.wrong_ssd_rate, "rounds": []})
+    convs = {n: wl.prompt(n) for n in lengths}
+    try:
+        srv.start()
+        srv.wait_ready()
+        for n in lengths:
+            timed(srv, args.shape, convs[n], 2)  # stored: the conversations so far
+        srv.wait_idle()
+        srv.wait_ssd_writes()
+        srv.stop()  # its close saves the measurements beside the blocks
+        left = {f: f.read_text() for f in saved_rates(home)}
+        for r in range(args.restarts):
+            for f, text in left.items():  # every restart starts from what the first process left
+                state = json.loads(text)
+                if args.wrong_ssd_rate:  # as measured on reads the page cache served
+                    state["ssd_restores"] = [args.wrong_ssd_rate * 1e9 * 10, 10.0, 3.0]
+                f.write_text(json.dumps(state))
             dropped = False if args.keep_page_cache else bg.drop_page_cache()
-            srv.start()
-            srv.wait_ready()
-            timed(srv, args.shape, wl.prompt(max(lengths) + 16), 2)  # the attention graphs of every length
+            for s in (srv, ref):  # both fresh processes: the same attention graphs built
+                s.start()
+            for s in (srv, ref):
+                s.wait_ready()
             row: dict[str, Any] = {"page_cache_dropped": dropped, "lengths": {}}
             for n in lengths:
                 after = timed(srv, args.shape, convs[n] + wl.prompt(16))
-                cold = timed(srv, args.shape, wl.prompt(n + 16))
+                cold = timed(ref, args.shape, wl.prompt(n + 16))
                 row["lengths"][str(n)] = {"after": after, "cold": cold, "ratio": after["ttft"] / cold["ttft"]}
-                log(f"restart round {r}, {n}: after restart {after['ttft']:.3f}s ({after['cached']} cached) vs cold "
+                log(f"restart {r}, {n}: after restart {after['ttft']:.3f}s ({after['cached']} cached) vs cold "
                     f"{cold['ttft']:.3f}s -> {after['ttft'] / cold['ttft']:.3f}x")  # fmt: skip
-            rounds.append(row)
-        finally:
-            srv.stop()
-            keep_logs(srv, args.out)
-            shutil.rmtree(home, ignore_errors=True)  # tens of GB of blocks
-        save()
+            part["rounds"].append(row)
+            for s in (srv, ref):
+                s.stop()
+            save()
+    finally:
+        for s in (srv, ref):
+            s.stop()
+            keep_logs(s, args.out)
+        shutil.rmtree(home, ignore_errors=True)  # tens of GB of blocks
 
 
 def part_cold(args: Any, models_root: Path, homes: Path, res: dict[str, Any], save: Any) -> None:
@@ -185,10 +207,9 @@ def part_cold(args: Any, models_root: Path, homes: Path, res: dict[str, Any], sa
                 for side, s in order:
                     for other in servers.values():  # nothing of the other server's runs meanwhile
                         other.wait_idle()
-                        other.wait_ssd_writes()
                         other.wait_warmed()
-                    for n in lengths:
-                        row[f"{side}/{n}"] = timed(s, folder.name, wl.prompt(n))
+                    for n in lengths:  # SSD writes go on: the writer waits while a prompt prefills alone
+                        row[f"{side}/{n}"] = timed(s, folder.name, wl.prompt(n), writes=False)
                 if r:
                     rows.append(row)
                     log(f"cold {name} round {r}: " + ", ".join(
@@ -234,7 +255,9 @@ def print_table(res: dict[str, Any]) -> None:
     if "restart" in res:
         rounds = res["restart"]["rounds"]
         dropped = {x["page_cache_dropped"] for x in rounds}
-        print(f"TTFT after a restart vs cold, {res['shape']}, {len(rounds)} rounds (page cache dropped: {dropped}):")
+        wrong = res["restart"].get("wrong_ssd_rate")
+        print(f"TTFT after a restart vs a restarted --no-cache server, {res['shape']}, {len(rounds)} restarts (page cache "
+              f"dropped: {dropped}; saved SSD rate {f'set to {wrong} GB/s' if wrong else 'as measured'}):")  # fmt: skip
         for n in res["restart"]["lengths"]:
             xs = [x["lengths"][str(n)] for x in rounds if str(n) in x["lengths"]]
             if xs:
@@ -275,6 +298,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="8000,32000,48000,64000", help="Conversation lengths of part restart.")
     ap.add_argument("--restarts", type=int, default=3)
     ap.add_argument("--keep-page-cache", action="store_true", help="Restart without dropping the page cache.")
+    ap.add_argument("--wrong-ssd-rate", type=float, default=0.0,
+                    help="GB/s written into the saved SSD rate before each restart (0: as measured).")  # fmt: skip
     ap.add_argument("--ssd-size", default="45GB", help="The restart part's SSD tier (it stores ~2x the lengths' KV).")
     ap.add_argument("--cold-models", default="llama-3.1-8b,gemma3-4b,lfm2-1.2b")
     ap.add_argument("--cold-lengths", default="8000,32000")

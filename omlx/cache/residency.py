@@ -62,6 +62,11 @@ class BlockDirectory:
             entry = self._entries.get(key)
             return entry.state if entry is not None else Residency.NONE
 
+    def held(self, keys: list[str]) -> set[str]:
+        """Those of `keys` with any state here (one lock for all: a tail search asks of ~a block's worth)."""
+        with self.lock:
+            return {k for k in keys if k in self._entries or k in self._staged}
+
     def on_device(self, key: str) -> bool:
         """Whether device memory holds the block outside the hot tier (unwritten or leaving)."""
         return bool(self.state(key) & (Residency.UNWRITTEN | Residency.LEAVING))

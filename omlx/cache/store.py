@@ -170,6 +170,13 @@ class CacheStore:
             state |= Residency.SSD
         return state
 
+    def held(self, keys: list[str]) -> set[str] | None:
+        """Those of `keys` some tier may hold (their directory states); None while the SSD's index is
+        not built, when only its files can tell."""
+        if self.ssd is not None and not self.ssd.wait_ready(0):
+            return None
+        return self.directory.held(keys)
+
     def leaving(self, key: str) -> bool:
         """Whether the block waits in device memory for its copy to RAM."""
         return self.directory.is_leaving(key)

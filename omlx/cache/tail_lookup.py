@@ -58,7 +58,10 @@ class TailLookup:
         (`by_tokens`) this process's blocks token by token (`TailIndex`)."""
         best: tuple[CacheBlock | None, int] = (None, 0)
         keys = tail_keys(self.fp, parent, rest[: self.B - 1])
+        held = self.tiers.held(keys)  # asked once, not each tier for each of up to B - 1 lengths
         for length in range(len(keys), 0, -1):
+            if held is not None and keys[length - 1] not in held:
+                continue
             block = self._get(keys[length - 1], hot_only, chain)
             if block is not None:
                 best = (block, length)
