@@ -289,7 +289,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         if start and keys and not (known(keys[0]) or self._kv_only(keys[0])):  # cleared, or let go meanwhile: the rest would hang off nothing
             return 0
         chain, new = self._chain_and_new(tokens, keys, start, known)
-        new, rest = self._first_piece(new, write_back.WRITE_BACK_CHUNK if final and ram_is_enough else most_bytes)
+        new, rest = self._first_piece(new, write_back.WRITE_BACK_CHUNK if final and ram_is_enough else most_bytes, cache)
         states = None
         if self.kinds is not None:  # a block of stateful layers only with their state at its end
             new, states = self._states_at_ends(new, cache, held, boundary_states or {})
@@ -314,10 +314,14 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         return rest
 
     def _first_piece(
-        self, new: list[tuple[str, str | None, int, int]], most_bytes: int
+        self, new: list[tuple[str, str | None, int, int]], most_bytes: int, cache: list[Any]
     ) -> tuple[list[tuple[str, str | None, int, int]], int]:
-        """The blocks of `new` within `most_bytes` (at least one; 0: all), and where the rest begin (0: none)."""
-        per_call = max(1, most_bytes // max(1, self.block_bytes)) if most_bytes else len(new)
+        """The blocks of `new` within `most_bytes` (at least one; 0: all), and where the rest begin (0: none);
+        before a block was measured, its size is the KV of `cache`'s layers over a block's tokens."""
+        block_bytes = self.block_bytes or self.B * sum(
+            leaf.keys.nbytes // max(1, leaf.keys.shape[2]) * 2 for leaf in flatten(cache) if getattr(leaf, "keys", None) is not None
+        )  # fmt: skip
+        per_call = max(1, most_bytes // max(1, block_bytes)) if most_bytes else len(new)
         return (new[:per_call], new[per_call][2]) if len(new) > per_call else (new, 0)
 
     def _chain_and_new(
