@@ -191,6 +191,8 @@ def part_cold(args: Any, models_root: Path, homes: Path, res: dict[str, Any], sa
         folder = build_model(models_root, name, every_token_streams=True) if name in SHAPES else build_arch(models_root, name)
         wl = Workload(name, [EOS], seed=args.seed + 7)
         common = ["--graph-warmup-tokens", str(max(lengths) + 64), *args.server_args.split()]
+        for side in ("cache", "nocache"):  # a cache left by an earlier run would answer its prompts
+            shutil.rmtree(homes / f"{name}-{side}", ignore_errors=True)
         servers = {"cache": Server(f"{name} cache", models_root, folder.name, homes / f"{name}-cache", common),
                    "nocache": Server(f"{name} --no-cache", models_root, folder.name, homes / f"{name}-nocache",
                                      ["--no-cache", *common])}  # fmt: skip

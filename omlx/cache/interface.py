@@ -45,11 +45,10 @@ class PrefixCacheInterface(Protocol):
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
-        most_bytes: int = 0,
     ) -> int:
-        """Store the blocks of `tokens` from token `start` on not cached yet (stateful layers: up to the
-        first block end missing from `boundary_states`), at most `most_bytes` of them (at least a block;
-        0: all); 0 when done, else where the blocks left for a later call (same cache) begin."""
+        """Store the blocks of `tokens` from token `start` on that are not cached yet (with stateful
+        layers, up to the first block end missing from `boundary_states`); 0 when done, else where
+        the blocks left for a later call (same cache, while idle) begin."""
         ...
 
     def capture_points(self, prompt_len: int, cached: int) -> list[int]:
@@ -136,7 +135,6 @@ class NoCache:
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
-        most_bytes: int = 0,
     ) -> int:
         return 0
 

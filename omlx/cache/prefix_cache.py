@@ -41,7 +41,6 @@ from omlx.cache.tail_index import TailIndex
 from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS, TailLookup
 from omlx.cache.tier_restore import TierRestore
 from omlx.cache.write_back import CopyPacer, WriteBack
-from omlx.platform_info import discrete_gpu
 
 log = logging.getLogger("omlx.cache")
 
@@ -95,8 +94,7 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         self._keys_ahead: tuple[list[int], int, list[str]] | None = None
         self._idle_probe: list[Any] | None = None  # `probe_idle`'s reads in flight (futures)
         self._idle_probe_none_at = -1  # the SSD's block count when it held none of this model's
-        # on a CUDA GPU stored blocks wait for an idle engine, copies while busy are paced
-        self.writes_wait = discrete_gpu()
+        # stored blocks wait for an idle engine; copies out while busy are paced (write-back.md)
         self.pacer = CopyPacer()
         if store.ssd is not None:
             store.follow(fingerprint, self._left_device)
@@ -264,11 +262,10 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
-        most_bytes: int = 0,
     ) -> int:
-        """Store every full block not cached yet and the unfinished tail as a partial block, from token
-        `start` on, at most `most_bytes` of them (0: all); 0 when done, else where the rest begin (`tokens`
-        past what `cache` holds are cut; a cache of recurrent layers alone cannot tell: cache-kinds.md)."""
+        """Store every full block not cached yet and the unfinished tail as a partial block, from
+        token `start` on; 0 when done, else where the blocks left for a later call begin (`tokens` past
+        what `cache` holds are cut, but a cache of recurrent layers alone cannot tell: cache-kinds.md)."""
         held = self._cache_length(cache, len(tokens))
         n_tokens = min(len(tokens), held)
         tokens = tokens[:n_tokens]
@@ -289,7 +286,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
         if start and keys and not (known(keys[0]) or self._kv_only(keys[0])):  # cleared, or let go meanwhile: the rest would hang off nothing
             return 0
         chain, new = self._chain_and_new(tokens, keys, start, known)
-        new, rest = self._first_piece(new, write_back.WRITE_BACK_CHUNK if final and ram_is_enough else most_bytes, cache)
+        rest = 0
+        if final and ram_is_enough:  # each piece a bounded copy to RAM
+            per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self._bytes_per_block(cache)))
+            if len(new) > per_call:
+                rest, new = new[per_call][2], new[:per_call]
         states = None
         if self.kinds is not None:  # a block of stateful layers only with their state at its end
             new, states = self._states_at_ends(new, cache, held, boundary_states or {})
@@ -313,16 +314,11 @@ class PrefixCache(ReadAhead, TierRestore, WriteBack, IdleProbe, TailLookup, Stat
             self._learn_size(blocks[0])
         return rest
 
-    def _first_piece(
-        self, new: list[tuple[str, str | None, int, int]], most_bytes: int, cache: list[Any]
-    ) -> tuple[list[tuple[str, str | None, int, int]], int]:
-        """The blocks of `new` within `most_bytes` (at least one; 0: all), and where the rest begin (0: none);
-        before a block was measured, its size is the KV of `cache`'s layers over a block's tokens."""
-        block_bytes = self.block_bytes or self.B * sum(
+    def _bytes_per_block(self, cache: list[Any]) -> int:
+        """A full block's bytes: measured, or before any block was, the KV of `cache`'s layers over its tokens."""
+        return self.block_bytes or self.B * sum(
             leaf.keys.nbytes // max(1, leaf.keys.shape[2]) * 2 for leaf in flatten(cache) if getattr(leaf, "keys", None) is not None
         )  # fmt: skip
-        per_call = max(1, most_bytes // max(1, block_bytes)) if most_bytes else len(new)
-        return (new[:per_call], new[per_call][2]) if len(new) > per_call else (new, 0)
 
     def _chain_and_new(
         self, tokens: list[int], keys: list[str], start: int, known: Callable[[str], bool]

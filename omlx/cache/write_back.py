@@ -80,9 +80,9 @@ class WriteBack:
 
     def write_back(self, idle: bool) -> bool:
         """Copy this model's let-go blocks to RAM (`CacheStore.demote`), then hand stored blocks to the
-        SSD writer, up to `WRITE_BACK_CHUNK` bytes; True when some moved and more wait. Busy on a CUDA
-        GPU (`writes_wait`), only blocks the hot tier let go move, within `CopyPacer`'s share."""
-        if idle or not self.writes_wait:
+        SSD writer, up to `WRITE_BACK_CHUNK` bytes; True when some moved and more wait. Busy, only
+        blocks the hot tier let go move, within `CopyPacer`'s share (docs/design/write-back.md)."""
+        if idle:
             self.pacer.rest()
             return self._write_back(idle)
         if not self.pacer.ready():
@@ -106,7 +106,7 @@ class WriteBack:
                     break
                 if handed and handed + block.nbytes > WRITE_BACK_CHUNK:
                     break
-                due = idle or evicted or not self.writes_wait
+                due = idle or evicted
                 if not due or not ssd.has_room():
                     break
                 directory.take_unwritten(block)

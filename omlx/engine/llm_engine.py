@@ -415,9 +415,10 @@ class LLMEngine:
         result = self.scheduler.update_step(plan, out)
         self._apply(result)
         tic = PERF()
-        if plan.solo is not None and plan.solo.status is not Status.FINISHED:
-            # once its first token is out; a piece at a time unless a request waits (it may share it)
-            self.runner.store_solo_prompt(plan.solo, paced=not self.scheduler.waiting)
+        if plan.solo is not None and plan.solo.status is not Status.FINISHED and self.scheduler.waiting:
+            # once its first token is out, for a request that waits (it may share that prompt); else the
+            # request's end stores it, not its next tokens (docs/design/write-back.md, "Prompt stores")
+            self.runner.store_solo_prompt(plan.solo)
         for state in result.prompt_stores:
             self.runner.store_batch_prompt(state)
         self.runner.clock.add("cache", PERF() - tic)

@@ -63,7 +63,6 @@ class RequestState:
     solo: Any = None  # its SoloSequence while it runs outside the BatchGenerator
     captures: Any = None  # a stateful model's layer-state snapshots (`Captures`), for its stores
     store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
-    prompt_stored: int = 0  # where the prompt blocks a paced store left begin (0: from the start)
     first_token: float | None = None
     completion_tokens: int = 0
     pending: GenerationEvent = field(default_factory=GenerationEvent)

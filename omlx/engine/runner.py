@@ -16,7 +16,6 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from omlx.cache.interface import PrefixCacheInterface
-from omlx.cache.write_back import CopyPacer
 from omlx.engine import load_warmup
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.config import EngineConfig
@@ -83,7 +82,6 @@ class Runner(RunnerStores):
         # the prefill chunks' attention shapes this thread has built graphs for (`onto_built_shapes`)
         self.shapes = PrefillShapes(sdpa_graph_capacity()) if config.track_shapes else None
         self.stores = StoreQueue(self.store)
-        self.store_pacer = CopyPacer()
         self.batch: dict[int, RequestState] = {}  # BatchGenerator uid -> its request
         self.graph_warmup: GraphWarmup | None = None
         self.buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle

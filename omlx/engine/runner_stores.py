@@ -5,19 +5,13 @@ request computed, and the layer states a stateful model's batch rows capture for
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from omlx.cache.interface import PrefixCacheInterface
 from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS
-from omlx.cache.write_back import CopyPacer
 from omlx.engine.request_state import RequestState
 
 log = logging.getLogger("omlx.engine")
-
-# A lone request's prompt is stored a piece of this many bytes (at least one block) at a time
-# while it decodes, within the store pacer's share of the engine's time.
-PROMPT_STORE_PIECE = 256 << 20
 
 
 class RunnerStores:
@@ -27,18 +21,14 @@ class RunnerStores:
     bg: Any
     model_id: str
     stateful: bool
-    store_pacer: CopyPacer  # the engine time a lone decoding request's prompt store may take
 
     def store(
-        self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0, boundary_states: Any = None,
-        most_bytes: int = 0,
+        self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0, boundary_states: Any = None
     ) -> int:
         """Store blocks in the prefix cache; where blocks left for a later call begin (0:
         none). Caching is an optimisation: its failure is logged, never fails the request."""
         try:
-            return self.cache.store(
-                tokens, cache, final=final, start=start, boundary_states=boundary_states, most_bytes=most_bytes
-            ) or 0
+            return self.cache.store(tokens, cache, final=final, start=start, boundary_states=boundary_states) or 0
         except Exception:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
             return 0
@@ -69,24 +59,12 @@ class RunnerStores:
     def _states(self, state: RequestState) -> dict[int, Any] | None:
         return dict(state.captures.states) if state.captures is not None else None
 
-    def store_solo_prompt(self, state: RequestState, now: bool = False, paced: bool = False) -> None:
-        """A solo prefill's prompt blocks, once its first token is out (or `now`); `paced`: a piece of
-        `PROMPT_STORE_PIECE` bytes when `store_pacer` has earned the time, so that the tokens after a
-        long prompt are not held up by its whole store (docs/design/write-back.md, "Prompt stores")."""
-        if not state.store_prompt or not (now or state.first_token_out()):
-            return
-        paced = paced and not now
-        if paced and not self.store_pacer.ready():
-            return
-        prompt = state.solo.fed[: self._prompt_stored(state)]
-        tic = time.perf_counter()
-        rest = self.store(
-            prompt, state.solo.cache, final=False, start=state.prompt_stored, boundary_states=self._states(state),
-            most_bytes=PROMPT_STORE_PIECE if paced else 0,
-        )  # fmt: skip
-        if paced:
-            self.store_pacer.spend(time.perf_counter() - tic)
-        state.prompt_stored, state.store_prompt = rest, bool(rest)
+    def store_solo_prompt(self, state: RequestState, now: bool = False) -> None:
+        """A solo prefill's prompt blocks, once its first token is out (or `now`)."""
+        if state.store_prompt and (now or state.first_token_out()):
+            state.store_prompt = False
+            prompt = state.solo.fed[: self._prompt_stored(state)]
+            self.store(prompt, state.solo.cache, final=False, boundary_states=self._states(state))
 
     def store_computed_prompt(self, state: RequestState, due: bool) -> None:
         """A request cancelled keeps what its prompt computed: a prompt store waiting for the
