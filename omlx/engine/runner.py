@@ -353,6 +353,9 @@ class Runner(RunnerStores):
             reason = "length"
         if reason is None:
             return TokenOut(state, token, logprobs)
+        if state.store_prompt:  # its prompt's own blocks (a tail keyed by the prompt alone), stored after its end
+            state.store_prompt = False
+            self.stores.add(solo.fed[: self._prompt_stored(state)], solo.cache, self._states(state))
         states = state.captures.with_end(solo.cache, len(solo.fed)) if state.captures is not None else None
         return TokenOut(state, token, logprobs, reason, prompt_cache=solo.cache, all_tokens=solo.fed, boundary_states=states)
 
