@@ -7,6 +7,7 @@ work: it runs off the event loop (`asyncio.to_thread`), before the request reach
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import weakref
@@ -41,7 +42,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int], model_id: 
     """llguidance's view of a model's tokenizer (built once per tokenizer, ~0.25 s at a 49k
     vocabulary), or a 400 when it cannot be mapped. Every id in `eos_ids` ends the output."""
     with _lock:
-        found = _tokenizers.get(tokenizer)
+        found = _cached(tokenizer)
         if found is not None:
             return found
         llguidance()  # or the 400 naming the package
@@ -58,8 +59,16 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int], model_id: 
                 param="model",
                 code="tokenizer_unsupported",
             ) from None
-        _tokenizers[tokenizer] = mapped
+        with contextlib.suppress(TypeError):  # kept while the tokenizer lives, where it can be
+            _tokenizers[tokenizer] = mapped
         return mapped
+
+
+def _cached(tokenizer: Any) -> Any:
+    try:
+        return _tokenizers.get(tokenizer)
+    except TypeError:  # no weak reference to it: never cached
+        return None
 
 
 def compile_grammar(lltok: Any, grammar: str, param: str) -> Any:
@@ -80,9 +89,53 @@ def _first_lines(message: str, limit: int = 600) -> str:
 
 
 def json_with_options(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema` with `JSON_OPTIONS` as its llguidance options (its own, if any, win)."""
+    """`schema` closed (`closed_objects`) with `JSON_OPTIONS` as its llguidance options (its own,
+    if any, win)."""
     own = schema.get("x-guidance")
-    return {**schema, "x-guidance": {**JSON_OPTIONS, **(own if isinstance(own, dict) else {})}}
+    return {**closed_objects(schema), "x-guidance": {**JSON_OPTIONS, **(own if isinstance(own, dict) else {})}}
+
+
+# keywords that combine schemas by intersection or negation: closing an object under them could
+# let an output through that the schema refuses, so such schemas are left as they are
+_COMBINING = ("not", "if", "oneOf", "allOf", "dependentSchemas", "dependencies", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` where an object that lists its properties and says nothing of others
+    allows none: every output still validates against `schema`, and a small model cannot add
+    invented keys until its token budget runs out. Schemas that intersect or negate are kept."""
+    return schema if _combines(schema) else _closed(schema)
+
+
+def _combines(schema: Any) -> bool:
+    if isinstance(schema, list):
+        return any(_combines(s) for s in schema)
+    if not isinstance(schema, dict):
+        return False
+    if any(k in schema for k in _COMBINING) or ("$ref" in schema and len(schema) > 1):
+        return True
+    return any(_combines(v) for v in schema.values() if isinstance(v, dict | list))
+
+
+def _closed(schema: Any) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMAS):
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+        elif key in out:
+            out[key] = _closed(out[key])
+    open_keys = ("additionalProperties", "patternProperties")
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def format_grammar(kind: str, value: Any, param: str) -> str:

@@ -56,13 +56,13 @@ class ToolForcing:
 
 
 def tool_forcing(tools: list[dict[str, Any]] | None, choice: str | None, has_format: bool) -> ToolForcing | None:
-    """What `choice` asks of the tool calls: `required` (one or more calls) or a tool's name (that
-    tool, once) are enforced with each tool's schema; `auto` holds calls to strict tools to their
+    """What `choice` asks of the tool calls: `required` (one call) or a tool's name (that tool,
+    once) are enforced with each tool's schema; `auto` holds calls to strict tools to their
     schemas (others to any object), or lets calls sit beside a response format; else nothing."""
     if not tools or choice == "none":
         return None
-    if choice == "required":
-        return ToolForcing([_call_spec(t, True) for t in tools], single=False, free_text=False)
+    if choice == "required":  # one call: a small model asked for several repeats them to its budget
+        return ToolForcing([_call_spec(t, True) for t in tools], single=True, free_text=False)
     if choice not in (None, "auto"):
         return ToolForcing([_call_spec(t, True) for t in tools if t["name"] == choice], single=True, free_text=False)
     if has_format or any(t.get("strict") for t in tools):
