@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
 
 from omlx.api.output_parser import OutputParser
@@ -149,6 +150,24 @@ def test_reasoning_that_ends_on_its_own_is_not_forced_and_a_grammar_waits_for_it
     assert opening.allowed() == Rule(Rule.GRAMMAR, (6,))  # the answer, or the opening of reasoning
     opening.advance(6)
     assert opening.phase is Phase.REASONING
+
+
+def test_a_complete_grammar_allows_every_eos_id_and_nothing_else(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from omlx.engine.constraints import fill_words
+    from omlx.engine.token_mask import mask_words
+
+    build_tokenizer(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    eos = sorted(hf.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    lltok = ll_tokenizer(hf, len(hf), eos, "tiny-two-eos")
+    matcher = compile_grammar(lltok, llguidance().LLMatcher.grammar_from_regex("ab"), "regex")
+    assert matcher.consume_tokens(lltok.tokenize_str("ab"))
+    words = np.zeros((1, mask_words(len(hf))), dtype=np.int32)
+    fill_words(words, Rule(Rule.GRAMMAR), matcher)
+    allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+    assert allowed.tolist() == eos
 
 
 def test_without_llguidance_a_constrained_request_is_a_400_naming_it(monkeypatch) -> None:
