@@ -121,7 +121,7 @@ class ConstraintState:
             if not self.forced:
                 self.phase = self._answer_phase()
         elif self.phase is Phase.ANSWER and not self.matcher.consume_token(token):
-            raise ConstraintError(f"the grammar rejected token {token}: {self.matcher.get_error()}")
+            raise ConstraintError(f"the grammar rejected token {token}: {first_line(self.matcher.get_error())}")
         self._settle()
 
     def _settle(self) -> None:
@@ -160,11 +160,10 @@ def fill_words(words: np.ndarray, rule: Rule, matcher: Any) -> None:
     else:
         words.fill(0)
     if rule.kind == Rule.GRAMMAR:
+        if not matcher.is_error():
+            _fill_next_token_bitmask()(matcher, words, 0)
         if matcher.is_error():
-            raise ConstraintError(f"the grammar cannot go on: {matcher.get_error()}")
-        _fill_next_token_bitmask()(matcher, words, 0)
-        if matcher.is_error():
-            raise ConstraintError(f"the grammar cannot go on: {matcher.get_error()}")
+            raise ConstraintError(f"the grammar cannot go on: {first_line(matcher.get_error())}")
     flat = words.reshape(-1).view(np.uint32)
     for token in rule.tokens:
         word, bit = divmod(token, 32)
@@ -174,6 +173,11 @@ def fill_words(words: np.ndarray, rule: Rule, matcher: Any) -> None:
             flat[word] |= np.uint32(1 << bit)
     if rule.kind == Rule.GRAMMAR and not flat.any():
         raise ConstraintError("the grammar reached a dead end: no token may come next and it is not complete")
+
+
+def first_line(message: str) -> str:
+    """llguidance's message without the parser state it appends."""
+    return message.strip().split("\n", 1)[0][:300]
 
 
 def _fill_next_token_bitmask() -> Any:
