@@ -241,6 +241,19 @@ GRAMMARS: dict[str, Callable[[Rules, list[dict], Marker, str], str]] = {
 }
 
 
+def opener(family: str, family_info: str = "") -> str:
+    """The text a call of `family` (as `calls_grammar` writes it) begins with."""
+    if family == "gemma":
+        for start in ("<start_function_call>", "<|tool_call>"):
+            if start in family_info:
+                return start
+        return "```tool_code"
+    if family == "deepseek" and "｜DSML｜" in family_info:
+        return "<｜DSML｜function_calls>"
+    return {"llama3": "{", "mistral": "[TOOL_CALLS]", "deepseek": "<｜tool▁calls▁begin｜>",
+            "kimi_k2": "<|tool_calls_section_begin|>"}.get(family, "<tool_call>")  # fmt: skip
+
+
 def calls_grammar(
     family: str | None, tools: list[dict], marker: Marker, *, single: bool, family_info: str = ""
 ) -> tuple[str, str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omlx.api.output_format import ANY_OBJECT, OutputFormat
-from omlx.api.tool_call_grammars import calls_grammar
+from omlx.api.tool_call_grammars import calls_grammar, opener
 from omlx.engine.constraints import Constraint, Reasoning
 from omlx.engine.grammar import (
     compile_grammar,
@@ -28,11 +28,6 @@ from omlx.errors import InvalidRequestError
 
 # OpenAI's reasoning efforts as thinking budgets (tokens); "none" ends reasoning at once
 EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
-# the call markers whose first token tells a text answer from a call (auto with strict tools)
-OPENERS = {
-    "hermes": "<tool_call>", "qwen3_coder": "<tool_call>", "glm": "<tool_call>", "llama3": "{",
-    "mistral": "[TOOL_CALLS]", "deepseek": "<｜tool▁calls▁begin｜>", "kimi_k2": "<|tool_calls_section_begin|>",
-}  # fmt: skip
 
 
 def effort_budget(effort: Any, param: str) -> int | None:
@@ -94,11 +89,11 @@ def _family_info(tokenizer: Any) -> str:
     return template if isinstance(template, str) else ""
 
 
-def _text_answer(marker: Any, opener: str | None) -> str:
+def _text_answer(marker: Any, start: str) -> str:
     """A text answer that cannot be mistaken for the start of a call (a Lark regex)."""
-    if opener is None or marker(opener).startswith("<["):
+    if marker(start).startswith("<["):
         return "/(?s:.*)/"  # the call opens with a special token, which text never produces
-    first = "\\" + opener[0] if opener[0] in "[]\\^-/" else opener[0]
+    first = "\\" + start[0] if start[0] in "[]\\^-/" else start[0]
     return "/(?s:[^" + first + "].*)?/"
 
 
@@ -112,13 +107,13 @@ def _compile(
         assert fmt is not None
         return compile_grammar(lltok, format_grammar(fmt.kind, fmt.value, fmt.param), fmt.param), family
     marker = token_marker(lltok)
-    rules, family = calls_grammar(family, forcing.tools, marker, single=forcing.single,
-                                  family_info=_family_info(tokenizer))
+    info = _family_info(tokenizer)
+    rules, family = calls_grammar(family, forcing.tools, marker, single=forcing.single, family_info=info)
     if fmt is not None:  # an answer in the format, or calls
         top = "start: answer | calls\nanswer: %json " + json.dumps(json_with_options(fmt.value), ensure_ascii=False)
         param = fmt.param
     elif forcing.free_text:
-        top = f"start: TEXT | calls\nTEXT: {_text_answer(marker, OPENERS.get(family or ''))}"
+        top = "start: TEXT | calls\nTEXT: " + _text_answer(marker, opener(family or "hermes", info))
         param = "tools"
     else:
         top = "start: calls"

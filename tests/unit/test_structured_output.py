@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import numpy as np
@@ -108,6 +109,30 @@ def test_the_tool_choice_decides_what_is_forced() -> None:
     held = tool_forcing([strict, FILES], None, has_format=False)
     assert held.free_text and held.tools[0]["parameters"] == WEATHER["parameters"]
     assert held.tools[1]["parameters"] == {"type": "object"}  # not strict: any arguments
+
+
+def test_under_auto_a_strict_tool_or_a_format_leaves_a_free_answer_but_holds_calls(lltok, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from omlx.api.output_format import OutputFormat
+    from omlx.server.structured import _compile
+
+    build_tokenizer(tmp_path)
+    engine = SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(str(tmp_path)), model_id="tiny")
+    engine.model_vocab_size, engine.eos_ids = len(engine.tokenizer), [engine.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": %d}}\n</tool_call>'
+
+    def accepts(matcher, text: str) -> bool:
+        matcher = matcher.deep_copy()
+        return matcher.consume_tokens(lltok.tokenize_str(text)) and matcher.is_accepting()
+
+    strict, _ = _compile(engine, None, tool_forcing([{**WEATHER, "strict": True}, FILES], "auto", False), "hermes")
+    assert accepts(strict, "It is sunny in Paris.") and accepts(strict, call % 2)
+    assert not accepts(strict, call % 9)
+    fmt = OutputFormat("json", {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}, "x")
+    held, _ = _compile(engine, fmt, tool_forcing([WEATHER], "auto", True), "hermes")
+    assert accepts(held, '{"ok": true}') and accepts(held, call % 9)  # a tool not strict: any arguments
+    assert not accepts(held, "It is sunny.") and not accepts(held, '{"ok": 1}')
 
 
 def test_closed_objects_only_narrow_what_the_schema_allows() -> None:
