@@ -198,6 +198,14 @@ class ConstraintProcessor:
         self.words = np.zeros((1, mask_words(vocab_size)), dtype=np.int32)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        try:
+            return self._masked(tokens, logits)
+        except BaseException as exc:  # a panic in llguidance's Rust is a BaseException: this request's alone
+            if type(exc).__name__ != "PanicException":
+                raise
+            raise ConstraintError(f"the grammar engine failed: {first_line(str(exc))}") from None
+
+    def _masked(self, tokens: mx.array, logits: mx.array) -> mx.array:
         new = tokens.shape[-1] - self.prompt_len - self.seen
         if new > 0:
             if self.state.needs_tokens:

@@ -75,10 +75,16 @@ def compile_grammar(lltok: Any, grammar: str, param: str) -> Any:
     """A fresh `LLMatcher` for the llguidance grammar text `grammar`, or a 400 naming `param` and
     what llguidance could not compile (an invalid schema, regex or Lark, or an unsupported feature)."""
     module = llguidance()
-    failed, messages = module.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
-    if failed:
-        raise InvalidRequestError(f"{param}: cannot be enforced: {_first_lines(messages[0])}", param=param)
-    matcher = module.LLMatcher(lltok, grammar, log_level=0)
+    try:
+        failed, messages = module.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        if failed:
+            raise InvalidRequestError(f"{param}: cannot be enforced: {_first_lines(messages[0])}", param=param)
+        matcher = module.LLMatcher(lltok, grammar, log_level=0)
+    except BaseException as exc:  # a panic in llguidance's Rust is a BaseException: refuse the request
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise InvalidRequestError(f"{param}: cannot be enforced: llguidance failed ({_first_lines(str(exc))})",
+                                  param=param) from None
     if matcher.is_error():
         raise InvalidRequestError(f"{param}: cannot be enforced: {_first_lines(matcher.get_error())}", param=param)
     return matcher
