@@ -247,33 +247,42 @@ def assert_args_valid(name: str, arguments: dict, tools: list[dict], key: str) -
     jsonschema.validate(arguments, schema)
 
 
-@pytest.mark.parametrize("model", [SMOL, QWEN])
-def test_forced_tool_calls_have_valid_arguments(oai, claude, model) -> None:
+def claude_code_call(claude, model: str, prompt: str, choice: dict) -> anthropic.types.ToolUseBlock:
     msg = claude.messages.create(model=model, max_tokens=120, system="You are a coding agent.", tools=CLAUDE_TOOLS,
-                                 messages=[{"role": "user", "content": "Run `ls -la` in the current directory."}],
-                                 tool_choice={"type": "any"}, extra_body=GREEDY)
+                                 messages=[{"role": "user", "content": prompt}], tool_choice=choice, extra_body=GREEDY)
     calls = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and len(calls) == 1
     assert_args_valid(calls[0].name, calls[0].input, CLAUDE_TOOLS, "input_schema")
-    msg = claude.messages.create(model=model, max_tokens=120, system="You are a coding agent.", tools=CLAUDE_TOOLS,
-                                 messages=[{"role": "user", "content": "Show me the file /etc/hostname."}],
-                                 tool_choice={"type": "tool", "name": "Read"}, extra_body=GREEDY)
-    calls = [b for b in msg.content if b.type == "tool_use"]
-    assert [c.name for c in calls] == ["Read"]
-    assert_args_valid("Read", calls[0].input, CLAUDE_TOOLS, "input_schema")
-    resp = oai.responses.create(model=model, instructions="You are Codex, a coding agent.", input="Run `ls` in the shell.",
+    return calls[0]
+
+
+def codex_call(oai, model: str, prompt: str) -> None:
+    resp = oai.responses.create(model=model, instructions="You are Codex, a coding agent.", input=prompt,
                                 max_output_tokens=120, tools=CODEX_TOOLS, tool_choice="required", **GREEDY)
     calls = [o for o in resp.output if o.type == "function_call"]
     assert resp.status == "completed" and len(calls) == 1
     assert_args_valid(calls[0].name, json.loads(calls[0].arguments), CODEX_TOOLS, "parameters")
+
+
+def test_forced_tool_calls_have_valid_arguments(oai, claude) -> None:
+    """SmolLM2 (no tool template: the tools are described in its prompt, calls read as hermes)."""
+    claude_code_call(claude, SMOL, "Run `ls -la` in the current directory.", {"type": "any"})
+    named = claude_code_call(claude, SMOL, "Show me the file /etc/hostname.", {"type": "tool", "name": "Read"})
+    assert named.name == "Read"
+    codex_call(oai, SMOL, "Run `ls` in the shell.")
     chat_tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["parameters"]}} for t in CODEX_TOOLS]
-    chat = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Run `pwd` in the shell."}],
+    chat = oai.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Run `pwd` in the shell."}],
                                        max_tokens=120, tools=chat_tools, **GREEDY,
                                        tool_choice={"type": "function", "function": {"name": "shell"}})
     assert chat.choices[0].finish_reason == "tool_calls"
     call = chat.choices[0].message.tool_calls[0].function
     assert call.name == "shell"
     assert_args_valid("shell", json.loads(call.arguments), CODEX_TOOLS, "parameters")
+
+
+def test_forced_tool_calls_in_qwen_coders_own_template_have_valid_arguments(oai, claude) -> None:
+    claude_code_call(claude, QWEN, "Run `ls -la` in the current directory.", {"type": "any"})
+    codex_call(oai, QWEN, "Run `ls` in the shell.")
 
 
 def test_thinking_budgets_force_the_end_of_reasoning_then_the_answer(oai, claude, server) -> None:
