@@ -16,7 +16,6 @@ from typing import Any
 from omlx.engine.grammar import json_with_options
 
 Marker = Callable[[str], str]  # marker text -> a Lark expression
-ANY_OBJECT: dict[str, Any] = {"type": "object"}
 MAX_CALLS = 4  # calls one answer may make when the tool is not named
 EMPTY = '""'
 FENCE = "\n```json\n"
@@ -46,7 +45,7 @@ class Rules:
         return self.add("%json " + json.dumps(json_with_options(schema), ensure_ascii=False))
 
     def lazy(self, body: str, suffix: str) -> str:
-        """A terminal that ends at the first `suffix` (a Lark string or special token)."""
+        """A lazy terminal: it ends at the first `suffix` (a Lark string), which it consumes."""
         name = f"r{self.count}"
         self.count += 1
         self.lines.append(f"{name}[suffix={suffix}]: {body}")
