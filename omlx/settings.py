@@ -56,6 +56,12 @@ SETTINGS: tuple[Setting, ...] = (
         "the /admin dashboard asks for it at login.",
     ),
     Setting(
+        "metrics_public",
+        bool,
+        False,
+        "Serve /metrics without the API key (for a Prometheus scraper on a trusted network).",
+    ),
+    Setting(
         "max_concurrent_requests", int, 8, "Sequences decoded together per model.", minimum=1
     ),
     Setting(

@@ -120,6 +120,8 @@ class EnginePool:
         self._load_lock = asyncio.Lock()  # one load at a time: memory is measured per load
         self._reaper: asyncio.Task | None = None
         self._collect_pending = False  # an unload's collection is due on the event loop
+        self.loads: dict[str, list[float]] = {}  # model -> [loads, seconds loading], for /metrics
+        self.unloads: dict[tuple[str, str], int] = {}  # (model, reason) -> count, for /metrics
         self.refresh()
 
     # ----- discovery and names -----------------------------------------------------
@@ -231,9 +233,13 @@ class EnginePool:
         entry = Entry(engine, estimate, now, now)
         self.entries[info.id] = entry
         freeze_heap()
+        seconds = time.perf_counter() - tic
+        record = self.loads.setdefault(info.id, [0, 0.0])
+        record[0] += 1
+        record[1] += seconds
         log.info(
             "loaded %s in %.2fs: %s measured (estimate %s)",
-            info.id, time.perf_counter() - tic, format_size(engine.memory_bytes), format_size(estimate),
+            info.id, seconds, format_size(engine.memory_bytes), format_size(estimate),
         )
         return entry
 
@@ -260,7 +266,7 @@ class EnginePool:
             if used + need <= self.max_memory:
                 break
             log.info("evicting %s (least recently used) to make room for %s", mid, model_id)
-            self.unload(mid, collect=False)
+            self.unload(mid, collect=False, reason="lru")
             used -= memory
             evicted = True
         if evicted:
@@ -279,8 +285,9 @@ class EnginePool:
         resolved = self.resolve(name)
         return await self._ensure_loaded(resolved)
 
-    def unload(self, model_id: str, collect: bool = True) -> bool:
-        """Stop a model's engine and let it go. What only the collector frees of it goes once
+    def unload(self, model_id: str, collect: bool = True, reason: str = "request") -> bool:
+        """Stop a model's engine and let it go (`reason` is counted for /metrics: request, lru,
+        idle, memory, shutdown). What only the collector frees of it goes once
         the callers are done (soon, on the event loop: until they return they may hold its
         entry, and a pass then would freeze it again for good), or when the caller, passing
         `collect=False`, calls `_collect_unloaded`."""
@@ -289,6 +296,7 @@ class EnginePool:
             return False
         entry.engine.shutdown()
         del entry
+        self.unloads[(model_id, reason)] = self.unloads.get((model_id, reason), 0) + 1
         log.info("unloaded %s", model_id)
         if collect and not self._collect_pending:
             self._collect_pending = True  # one pass for the models unloaded meanwhile
@@ -364,7 +372,7 @@ class EnginePool:
                     expired.append(model_id)
         for model_id in expired:
             log.info("unloading %s after %ss idle", model_id, self.ttl_of(model_id))
-            self.unload(model_id)
+            self.unload(model_id, reason="idle")
         return expired
 
     def stop_generating(self, reason: str) -> None:
@@ -381,4 +389,4 @@ class EnginePool:
         for entry in list(self.entries.values()):  # all engines stop at once, then each is joined
             entry.engine.request_stop()
         for model_id in list(self.entries):
-            self.unload(model_id)
+            self.unload(model_id, reason="shutdown")

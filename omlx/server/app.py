@@ -39,6 +39,7 @@ from omlx.server.errors import install_error_handlers
 from omlx.server.openai_chat import router as openai_chat_router
 from omlx.server.openai_routes import router as openai_router
 from omlx.server.openapi import install_openapi
+from omlx.server.prometheus import install_metrics
 from omlx.server.responses_routes import router as responses_router
 from omlx.settings import Settings
 
@@ -148,4 +149,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(responses_router, dependencies=[Depends(require_api_key)])
     install_admin(app)
     install_openapi(app)  # /openapi.json, behind the API key like /v1
+    install_metrics(app)  # /metrics, behind the API key unless --metrics-public
     return app
