@@ -16,19 +16,51 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
+from typer.core import TyperCommand
 
 from omlx.errors import ConfigError
-from omlx.settings import SETTINGS, load_settings
+from omlx.settings import SETTINGS, SETTINGS_BY_NAME, load_settings
 
 console = Console(stderr=True, soft_wrap=True)
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="oMLX: local LLM server on MLX.")
-models_app = typer.Typer(no_args_is_help=True, help="List and import models.")
+# Plain click help and usage errors: rich's help tables cut flag names at 80 columns, and its
+# markup would eat any [bracketed] text of a message.
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="oMLX: local LLM server on MLX."
+)
+models_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="List and import models.")
 app.add_typer(models_app, name="models")
+
+HELP_WIDTH = 80
+SERVE_EPILOG = (
+    "Each flag can also be set as OMLX_<NAME> or in $OMLX_HOME/settings.json; on/off flags have a "
+    "--no- form. Defaults and details: the settings table in README.md."
+)
 
 
 def fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    """Print `message` as one line on stderr, verbatim (no markup), and exit with `code`."""
+    console.print(Text.assemble(("error:", "red"), " ", message), highlight=False)
     raise SystemExit(code)
+
+
+class ServeCommand(TyperCommand):
+    """`omlx serve --help`: one line per flag, its setting's summary."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        rows = []
+        for param in self.get_params(ctx):
+            setting = SETTINGS_BY_NAME.get(param.name or "")
+            if setting is not None:
+                rows.append((setting.flag, setting.summary))
+            elif getattr(param, "opts", None):  # --help
+                rows.append((param.opts[0], getattr(param, "help", None) or ""))
+        width = max(len(flag) for flag, _ in rows)
+        with formatter.section("Options"):
+            for flag, summary in rows:
+                formatter.write(f"  {flag:<{width}}  {summary}\n")
+        formatter.write_paragraph()
+        formatter.write_text(SERVE_EPILOG)
 
 
 def _serve_signature() -> inspect.Signature:
@@ -46,7 +78,9 @@ def _serve_signature() -> inspect.Signature:
 
 
 def serve(**cli: Any) -> None:
-    """Start the HTTP server (provisions the default model when the model dir is empty)."""
+    """Start the HTTP server.
+
+    An empty model dir gets the built-in default model first."""
     from omlx.platform_info import maybe_reexec_with_openblas, missing_backend
 
     if problem := missing_backend():
@@ -62,14 +96,14 @@ def serve(**cli: Any) -> None:
 
 
 serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
-app.command("serve")(serve)
+app.command("serve", cls=ServeCommand, context_settings={"max_content_width": HELP_WIDTH})(serve)
 
 
 @app.command()
 def diagnose(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Print platform, MLX, device, memory, directories and discovered models."""
+    """Print platform, device, memory and models."""
     from omlx.platform_info import (
         BLAS_HINT,
         maybe_reexec_with_openblas,
