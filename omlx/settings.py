@@ -193,6 +193,30 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("debug", "info", "warning", "error"),
         summary="debug, info, warning or error",
     ),
+    Setting(
+        "log_format",
+        str,
+        "text",
+        "Log lines as text or as one JSON object per line (time, level, logger, request_id, model, message), on stderr and in the log files.",
+        choices=("text", "json"),
+        summary="text or json (one object per line)",
+    ),
+    Setting(
+        "log_dir",
+        Path,
+        None,
+        "Also write the log to omlx.log in this folder, rolled over daily into omlx.log.YYYY-MM-DD.",
+        default_doc="(none: stderr only)",
+        summary="Also write daily log files here",
+    ),
+    Setting(
+        "log_retention_days",
+        int,
+        7,
+        "Days of rolled-over log files kept in --log-dir.",
+        minimum=1,
+        summary="Days of log files kept in --log-dir",
+    ),
 )
 
 SETTINGS_BY_NAME = {s.name: s for s in SETTINGS}

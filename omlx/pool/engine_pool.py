@@ -29,6 +29,7 @@ from omlx.errors import (
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
 from omlx.pool.memory import estimate_model_bytes
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
+from omlx.server.log_setup import bind
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx.pool")
@@ -177,6 +178,7 @@ class EnginePool:
             raise InvalidRequestError(
                 f"Model '{name}' is a {resolved.type} model, not a {kind} model.", param="model"
             )
+        bind(model=resolved.info.id)  # the request's later log lines name its model
         entry = await self._ensure_loaded(resolved)
         entry.engine.leases += 1
         entry.last_used = time.time()

@@ -24,6 +24,7 @@ from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_
 from omlx.errors import EngineError, InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.generation import completion_budget, sampling_params
+from omlx.server.log_setup import bind
 
 log = logging.getLogger("omlx.server")
 
@@ -152,6 +153,7 @@ async def prepare_chat(
         stop=turn.stop,
         logprobs=turn.logprobs,
     )
+    bind(request_id=request.request_id)
     return PreparedChat(request, family, tools, reasoning, starts_in_reasoning, think_start, think_end)
 
 

@@ -41,14 +41,6 @@ class StoppingServer(uvicorn.Server):
             self._on_exit()
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
-
-
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -88,7 +80,12 @@ def prepare_model_dir(settings: Settings) -> None:
 
 
 def run_server(settings: Settings) -> None:
-    configure_logging(settings.log_level)
+    from omlx.server.log_setup import configure_logging
+
+    try:
+        configure_logging(settings.log_level, settings.log_format, settings.log_dir, settings.log_retention_days)
+    except OSError as exc:
+        _fail(f"Log dir {settings.log_dir} is not usable ({exc.strerror}). Pass --log-dir with a writable folder.")
     # MLX's CUDA backend compiles kernels at run time and caches them under /tmp by default,
     # which a reboot empties; keep them with oMLX's other state so only the first start pays.
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(settings.home / "kernel-cache"))
@@ -131,8 +128,8 @@ def run_server(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     DEVICE.on_lost(shut_down_when_device_lost())
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+    config = uvicorn.Config(  # log_config=None: uvicorn's lines go through our handlers and format
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False, log_config=None,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     StoppingServer(config, on_exit=lambda: app.state.pool.stop_generating(SHUTDOWN_MESSAGE)).run()

@@ -21,7 +21,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("admin-api")
     models = writable_model_dir(tiny_model_dir, root)
-    srv = start_server(root / "home", models, "--api-key", API_KEY)
+    srv = start_server(root / "home", models, "--api-key", API_KEY,
+                       "--log-dir", str(root / "logs"), "--log-format", "json")
+    srv.log_dir = root / "logs"
     yield srv
     srv.stop()
     shutil.rmtree(root, ignore_errors=True)
@@ -269,6 +271,24 @@ def test_system_counts_requests_and_tokens(server, admin):
     assert entry["id"] == "tiny-llama"
     # only a CUDA engine warms attention graphs, up to its context window (the tiny model's 2,048)
     assert entry["graph_warmup"] is None or entry["graph_warmup"]["target"] == 2048
+
+
+# ----- log files -----------------------------------------------------------------------
+def test_log_file_has_one_json_object_per_line_with_request_id_and_model(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "log me"}], "max_tokens": 2})
+    request_id = r.json()["id"]
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        lines = [json.loads(line) for line in (server.log_dir / "omlx.log").read_text().splitlines()]
+        mine = [line for line in lines if line["request_id"] == request_id]
+        if mine:
+            break
+        time.sleep(0.1)
+    assert all({"time", "level", "logger", "request_id", "model", "message"} <= set(line) for line in lines)
+    assert any("Uvicorn running on" in line["message"] for line in lines)  # uvicorn's lines too
+    assert mine and all(line["model"] == "tiny-llama" for line in mine)
+    assert any("completion=" in line["message"] for line in mine)  # the engine thread's request line
 
 
 # ----- /metrics -------------------------------------------------------------------------
