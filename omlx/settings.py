@@ -52,7 +52,7 @@ SETTINGS: tuple[Setting, ...] = (
         "model_dir", Path, None, "Folder scanned for models.", default_doc="$OMLX_HOME/models",
         summary="Folder scanned for models",
     ),
-    Setting("model", str, None, "Model id to load at start (default: load on first request).", summary="Model to load at start"),
+    Setting("model", str, None, "Model id to load at start, first, besides the models loaded when the server last stopped and the pinned ones (others load on their first request).", summary="Model to load at start"),
     Setting(
         "api_key",
         str,

@@ -29,6 +29,8 @@ from omlx.errors import (
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
 from omlx.pool.memory import estimate_model_bytes
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
+from omlx.pool.warm_start import FILE_NAME as WARM_FILE
+from omlx.pool.warm_start import LoadedModels, models_to_warm
 from omlx.server.log_setup import bind
 from omlx.settings import Settings
 
@@ -123,6 +125,7 @@ class EnginePool:
         self._collect_pending = False  # an unload's collection is due on the event loop
         self.loads: dict[str, list[float]] = {}  # model -> [loads, seconds loading], for /metrics
         self.unloads: dict[tuple[str, str], int] = {}  # (model, reason) -> count, for /metrics
+        self.loaded_models = LoadedModels(settings.home / WARM_FILE)  # loaded again at the next start
         self.refresh()
 
     # ----- discovery and names -----------------------------------------------------
@@ -236,6 +239,7 @@ class EnginePool:
         self.entries[info.id] = entry
         freeze_heap()
         seconds = time.perf_counter() - tic
+        self.loaded_models.loaded(info.id)
         record = self.loads.setdefault(info.id, [0, 0.0])
         record[0] += 1
         record[1] += seconds
@@ -282,9 +286,21 @@ class EnginePool:
                 code="insufficient_memory",
             )
 
+    # ----- warm start ---------------------------------------------------------------
+    def models_to_warm(self, default: str | None = None) -> list[str]:
+        """What a start loads (`warm_start.models_to_warm`), of the models discovered now."""
+        known = self.discovery.models
+        pinned = sorted(m for m in known if self.model_settings.get(m).pinned)
+        wanted = models_to_warm(self.settings.model, self.loaded_models.ids, pinned, default)
+        gone = [m for m in wanted if m not in known and m != self.settings.model]
+        if gone:
+            log.info("not loading %s at start: no longer in the model dir", ", ".join(gone))
+        return [m for m in wanted if m not in gone]
+
     # ----- explicit control --------------------------------------------------------
     async def load(self, name: str) -> Entry:
         resolved = self.resolve(name)
+        bind(model=resolved.info.id)
         return await self._ensure_loaded(resolved)
 
     def unload(self, model_id: str, collect: bool = True, reason: str = "request") -> bool:
@@ -299,6 +315,8 @@ class EnginePool:
         entry.engine.shutdown()
         del entry
         self.unloads[(model_id, reason)] = self.unloads.get((model_id, reason), 0) + 1
+        if reason != "shutdown":
+            self.loaded_models.unloaded(model_id)
         log.info("unloaded %s", model_id)
         if collect and not self._collect_pending:
             self._collect_pending = True  # one pass for the models unloaded meanwhile

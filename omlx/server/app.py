@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from omlx.server.openai_routes import router as openai_router
 from omlx.server.openapi import install_openapi
 from omlx.server.prometheus import install_metrics
 from omlx.server.responses_routes import router as responses_router
+from omlx.server.startup import StartState, load_at_start
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx.server")
@@ -65,7 +67,7 @@ def llm_factory(
     def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
         return LLMEngine(
             info.id,
-            lambda: load_llm(info, settings.compute_dtype),
+            lambda: load_llm(info, settings.compute_dtype, kept_root=settings.home / "converted"),
             max_concurrent=settings.max_concurrent_requests,
             max_waiting=settings.max_waiting_requests,
             prefill_step_size=settings.prefill_step_size,
@@ -97,10 +99,12 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         pool.start_reaper()
-        if settings.model:
-            log.info("preloading model %s", settings.model)
-            await pool.load(settings.model)
+        # set by the runner: the default model it provisioned now, and whether uvicorn listens
+        pool.refresh()  # that model came after the pool's first scan
+        app.state.start = StartState(pool.models_to_warm(getattr(app.state, "provisioned", None)))
+        starting = asyncio.create_task(load_at_start(app, getattr(app.state, "listening", lambda: True)))
         yield
+        starting.cancel()
         shutdown_admin(app)
         pool.shutdown()
         if store is not None:
@@ -119,9 +123,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimits)
 
     @app.get("/health", response_model=None)
-    async def health() -> dict[str, str] | JSONResponse:
+    async def health(request: Request) -> dict[str, str] | JSONResponse:
         if DEVICE.lost is not None:  # the process is shutting down to be restarted
             return JSONResponse({"status": "unhealthy", "reason": f"the GPU failed: {DEVICE.lost}"}, status_code=503)
+        start = getattr(request.app.state, "start", None)
+        if start is not None and not start.ready:  # the warm-start models are loading
+            return JSONResponse({"status": "loading", "models": start.pending}, status_code=503,
+                                headers={"Retry-After": "1"})
         return {"status": "ok"}
 
     @app.head("/")

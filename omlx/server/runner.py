@@ -46,8 +46,9 @@ def _fail(message: str) -> None:
     raise SystemExit(2)
 
 
-def prepare_model_dir(settings: Settings) -> None:
-    """Check the model dir; provision the built-in default model when it holds none."""
+def prepare_model_dir(settings: Settings) -> str | None:
+    """Check the model dir; provision the built-in default model when it holds none (and
+    return its id: a fresh install loads it at start)."""
     from omlx.models.discovery import discover_models
 
     root = settings.model_dir
@@ -62,7 +63,7 @@ def prepare_model_dir(settings: Settings) -> None:
     for problem in found.problems:
         log.warning("skipping %s: %s", problem.path, problem.reason)
     if found.models:
-        return
+        return None
     from omlx.models.default_model import DEFAULT_MODEL_ID, provision_default_model
 
     print(f"No models in {root}: provisioning the built-in default model {DEFAULT_MODEL_ID}…", file=sys.stderr)
@@ -77,6 +78,7 @@ def prepare_model_dir(settings: Settings) -> None:
             )
     except Exception as exc:  # report the reason in one line; the server cannot start without a model
         _fail(f"Could not provision {DEFAULT_MODEL_ID}: {exc}")
+    return DEFAULT_MODEL_ID
 
 
 def run_server(settings: Settings) -> None:
@@ -121,7 +123,7 @@ def run_server(settings: Settings) -> None:
         app = create_app(settings)  # validates every setting before a slow first-run provisioning
     except ConfigError as exc:
         _fail(str(exc))
-    prepare_model_dir(settings)
+    app.state.provisioned = prepare_model_dir(settings)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; with no-op
     # handlers in place that re-raise ends nothing, so Ctrl-C is a clean exit instead of a
     # KeyboardInterrupt traceback.
@@ -132,7 +134,9 @@ def run_server(settings: Settings) -> None:
         app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False, log_config=None,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    StoppingServer(config, on_exit=lambda: app.state.pool.stop_generating(SHUTDOWN_MESSAGE)).run()
+    server = StoppingServer(config, on_exit=lambda: app.state.pool.stop_generating(SHUTDOWN_MESSAGE))
+    app.state.listening = lambda: server.started  # the start's models are loaded, then "ready" is logged
+    server.run()
     # The engines, SSD writer and downloads were stopped by the app's shutdown. Leave without
     # the interpreter's teardown: MLX's stream threads abort the process there ("terminate
     # called without an active exception") once a model has generated on an engine thread.
