@@ -135,6 +135,13 @@ SETTINGS: tuple[Setting, ...] = (
         summary="KV memory per model (bytes, % or auto)",
     ),
     Setting(
+        "max_process_memory",
+        str,
+        "0",
+        "Limit on the whole process's resident memory (bytes like 12GB or a share of RAM like 90%; 0 = no limit). Over it, in turn: MLX's freed buffers are handed back, idle unpinned models are unloaded (least recently used first), the RAM and hot cache tiers shrink, and new requests wait 2 s, then get 503 with Retry-After; a model load that would cross it gets that 503. Changes apply at once.",
+        summary="Limit on the process's memory (bytes or %)",
+    ),
+    Setting(
         "idle_timeout",
         int,
         0,

@@ -28,6 +28,7 @@ from omlx.errors import (
 )
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
 from omlx.pool.memory import estimate_model_bytes
+from omlx.pool.memory_guard import MemoryGuard
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
 from omlx.pool.warm_start import FILE_NAME as WARM_FILE
 from omlx.pool.warm_start import LoadedModels, models_to_warm
@@ -126,6 +127,7 @@ class EnginePool:
         self.loads: dict[str, list[float]] = {}  # model -> [loads, seconds loading], for /metrics
         self.unloads: dict[tuple[str, str], int] = {}  # (model, reason) -> count, for /metrics
         self.loaded_models = LoadedModels(settings.home / WARM_FILE)  # loaded again at the next start
+        self.memory_guard: MemoryGuard | None = None  # --max-process-memory, set by the app
         self.refresh()
 
     # ----- discovery and names -----------------------------------------------------
@@ -182,6 +184,8 @@ class EnginePool:
                 f"Model '{name}' is a {resolved.type} model, not a {kind} model.", param="model"
             )
         bind(model=resolved.info.id)  # the request's later log lines name its model
+        if self.memory_guard is not None:
+            await self.memory_guard.admit()  # over the process memory limit: wait, then 503
         entry = await self._ensure_loaded(resolved)
         entry.engine.leases += 1
         entry.last_used = time.time()
@@ -217,6 +221,8 @@ class EnginePool:
             )
         estimate = estimate_model_bytes(info, self._compute_dtype(resolved.type))
         self._make_room(info.id, estimate)
+        if self.memory_guard is not None:
+            self.memory_guard.room_for(info.id, estimate)
         log.info("loading %s (%s, estimated %s)", info.id, resolved.type, format_size(estimate))
         self.loading.add(info.id)
         tic = time.perf_counter()

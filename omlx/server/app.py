@@ -30,6 +30,7 @@ from omlx.models.discovery import ModelInfo
 from omlx.models.loader import load_llm
 from omlx.pool.engine_pool import EngineFactory, EnginePool
 from omlx.pool.memory import memory_limit_total
+from omlx.pool.memory_guard import MemoryGuard, parse_limit
 from omlx.pool.model_settings import ModelSettings
 from omlx.server.admin_routes import router as admin_router
 from omlx.server.anthropic_routes import router as anthropic_router
@@ -93,18 +94,25 @@ def create_app(settings: Settings) -> FastAPI:
         max_memory = parse_size(settings.max_model_memory, total=memory_limit_total())
     except ValueError as exc:
         raise ConfigError(f"Invalid value for max_model_memory: {exc}") from None
+    try:
+        parse_limit(settings.max_process_memory)
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for max_process_memory: {exc}") from None
     metrics = RequestMetrics()
     pool = EnginePool(settings, engine_factories(settings, store, metrics.record), max_memory=max_memory)
+    pool.memory_guard = MemoryGuard(pool, store, lambda: settings.max_process_memory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         pool.start_reaper()
+        pool.memory_guard.start()
         # set by the runner: the default model it provisioned now, and whether uvicorn listens
         pool.refresh()  # that model came after the pool's first scan
         app.state.start = StartState(pool.models_to_warm(getattr(app.state, "provisioned", None)))
         starting = asyncio.create_task(load_at_start(app, getattr(app.state, "listening", lambda: True)))
         yield
         starting.cancel()
+        pool.memory_guard.stop()
         shutdown_admin(app)
         pool.shutdown()
         if store is not None:

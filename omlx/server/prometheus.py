@@ -99,6 +99,17 @@ def pool_families(pool: Any, device_memory: dict[str, int]) -> Iterator[Metric]:
     for kind, value in sorted(device_memory.items()):
         device.add_metric([kind], value)
     yield from (running, waiting, loaded, memory, loads, load_s, unloads, process, device)
+    guard = pool.memory_guard
+    if guard is not None:
+        limit = _gauge("omlx_process_memory_limit_bytes", "--max-process-memory in bytes (0: no limit).", [])
+        limit.add_metric([], guard.limit())
+        over = _gauge("omlx_memory_guard_over", "1 while over the limit with nothing left to shed.", [])
+        over.add_metric([], 1 if guard.over else 0)
+        actions = _counter("omlx_memory_guard_actions", "What the memory guard did: clear (MLX's buffer "
+                           "cache), unload (a model), shrink (a cache tier), refuse (a request).", ["action"])
+        for action, count in guard.actions.items():
+            actions.add_metric([action], count)
+        yield from (limit, over, actions)
 
 
 def cache_families(stats: dict[str, Any] | None) -> Iterator[Metric]:
