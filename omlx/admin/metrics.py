@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 HISTOGRAMS = {"ttft": TTFT_BUCKETS, "itl": ITL_BUCKETS, "e2e": LATENCY_BUCKETS, "queue": LATENCY_BUCKETS}
+RECENT_TTFTS = 8192  # (finish time, TTFT) of the latest requests, for the history's percentiles
 
 # The API a request came through, read off its id's prefix (set by each route).
 ENDPOINT_OF_PREFIX = {
@@ -82,6 +85,7 @@ class RequestMetrics:
         self._total = self._empty()
         self._models: dict[str, dict[str, Any]] = {}
         self._series: dict[str, ModelSeries] = {}
+        self._recent_ttfts: deque[tuple[float, float]] = deque(maxlen=RECENT_TTFTS)
 
     @staticmethod
     def _empty() -> dict[str, Any]:
@@ -119,6 +123,7 @@ class RequestMetrics:
             h = series.histograms
             if completion:  # a request that made no token had no first token
                 h["ttft"].add(ttft)
+                self._recent_ttfts.append((time.time(), ttft))
             if completion > 1 and result.get("decode_s"):
                 h["itl"].add(float(result["decode_s"]) / (completion - 1), completion - 1)
             if "e2e_s" in result:
@@ -136,6 +141,11 @@ class RequestMetrics:
                 )
                 for model, s in self._series.items()
             }
+
+    def ttfts_since(self, since: float) -> list[float]:
+        """TTFTs of the requests that finished after `since` (epoch seconds), of the latest kept."""
+        with self._lock:
+            return [ttft for t, ttft in self._recent_ttfts if t > since]
 
     def snapshot(self) -> dict[str, Any]:
         def view(b: dict[str, Any]) -> dict[str, Any]:

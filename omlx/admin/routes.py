@@ -119,6 +119,12 @@ async def system(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/history")
+async def history(request: Request) -> dict[str, Any]:
+    """The charts' points (admin/history.py), the last one live."""
+    return request.app.state.history.view()
+
+
 # ----- global settings ---------------------------------------------------------------
 def _jsonable(value: Any) -> Any:
     return str(value) if isinstance(value, Path) else value

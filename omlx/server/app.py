@@ -14,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from omlx import __version__
-from omlx.admin import install_admin, shutdown_admin
+from omlx.admin import install_admin, shutdown_admin, start_admin
 from omlx.admin.metrics import RequestMetrics
 from omlx.api.responses_models import ResponseStore
 from omlx.cache.prefix_cache import make_prefix_cache
@@ -106,6 +106,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         pool.start_reaper()
         pool.memory_guard.start()
+        start_admin(app)
         # set by the runner: the default model it provisioned now, and whether uvicorn listens
         pool.refresh()  # that model came after the pool's first scan
         app.state.start = StartState(pool.models_to_warm(getattr(app.state, "provisioned", None)))
