@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -87,6 +88,12 @@ class Start:
         self.proc.wait(60)
 
 
+async def ask(server: Start, messages: list[dict[str, str]]) -> Any:
+    """The prompt once, streamed, greedy, 4 tokens."""
+    async with new_client() as client:
+        return await stream_chat(client, server, messages, 4)  # type: ignore[arg-type]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", type=Path, default=REPO_ROOT, help="the oMLX tree to run (default: this one)")
@@ -105,11 +112,7 @@ def main() -> None:
                 text = text_of_tokens(model, args.tokens, seed=2024, prefix="Read this document and summarise it.\n\n")
                 messages = [{"role": "user", "content": text}]
 
-            async def once(server: Start = start) -> object:
-                async with new_client() as client:
-                    return await stream_chat(client, server, messages, 4)  # type: ignore[arg-type]
-
-            r = run(once())
+            r = run(ask(start, messages))
             start.stop()
             rows.append((phase, healthy, start.load_seconds(), r.ttft, r.prompt_tokens, r.cached_tokens))
             log(f"{phase}: healthy after {healthy:.2f}s, ttft {r.ttft:.2f}s, cached {r.cached_tokens}/{r.prompt_tokens}")

@@ -29,6 +29,7 @@ def test_serve_provisions_the_default_model_and_answers_paris(tmp_path):
         )
         assert "Paris" in answer.choices[0].message.content
         assert "provisioning the built-in default model" in server.log()
+        assert f"ready: {server.base_url} (dashboard {server.base_url}/admin)" in server.log()
     finally:
         server.stop()
     assert (tmp_path / "home" / "models" / DEFAULT / "config.json").exists()
