@@ -552,11 +552,12 @@ async def stream_chat(
     max_tokens: int,
     *,
     fixed_length: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> StreamResult:
     """One streaming, greedy chat completion; the same request body for either server.
 
     `fixed_length` forbids the end-of-sequence tokens (logit_bias -100), so the output is
-    exactly `max_tokens` long.
+    exactly `max_tokens` long; `extra` goes into the body as it is (e.g. a response format).
     """
     body: dict[str, Any] = {
         "model": server.request_model,
@@ -568,6 +569,7 @@ async def stream_chat(
     }
     if fixed_length:
         body["logit_bias"] = server.model.no_eos_bias()
+    body.update(extra or {})
     t_start = time.perf_counter()
     t_first = t_last = 0.0
     parts: list[str] = []
@@ -617,14 +619,17 @@ async def stream_many(
     max_tokens: int,
     *,
     fixed_length: bool = False,
+    extras: Sequence[dict[str, Any] | None] | None = None,
 ) -> tuple[list[StreamResult], float]:
-    """All conversations at once; returns their results and the wall time of the whole batch."""
+    """All conversations at once (`extras`: each one's extra body fields); returns their results
+    and the wall time of the whole batch."""
+    extras = list(extras) if extras is not None else [None] * len(conversations)
     async with new_client() as client:
         t0 = time.perf_counter()
         results = await asyncio.gather(
             *(
-                stream_chat(client, server, c, max_tokens, fixed_length=fixed_length)
-                for c in conversations
+                stream_chat(client, server, c, max_tokens, fixed_length=fixed_length, extra=e)
+                for c, e in zip(conversations, extras, strict=True)
             )
         )
         return list(results), time.perf_counter() - t0

@@ -36,6 +36,8 @@ class MessagesRequest(Lenient):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's older field
 
 
 class CountTokensRequest(Lenient):
@@ -184,6 +186,16 @@ def thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any]:
     if kind == "disabled":
         return {"enable_thinking": False}
     return {}
+
+
+def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
+    """`thinking.budget_tokens` of enabled thinking (None: no budget)."""
+    if not thinking or thinking.get("type") != "enabled" or thinking.get("budget_tokens") is None:
+        return None
+    budget = thinking["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise _refuse(f"must be a non-negative integer, got {json.dumps(budget)[:40]}.", "thinking.budget_tokens")
+    return budget
 
 
 def tool_input(arguments: str) -> dict[str, Any]:

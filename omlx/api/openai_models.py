@@ -52,6 +52,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # reasoning tokens before the model's end-of-thinking marker is forced (oMLX's own field)
+    thinking_budget: int | None = Field(default=None, ge=0)
+    reasoning_effort: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -59,3 +62,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
+    # the output is held to one of these (oMLX's own fields)
+    json_schema: dict[str, Any] | bool | None = None
+    regex: str | None = None
+    grammar: str | None = None  # Lark, as llguidance reads it

@@ -32,6 +32,7 @@ class ResponsesRequest(Lenient):
     stream: bool = False
     store: bool = True
     reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
 

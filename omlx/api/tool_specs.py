@@ -60,18 +60,22 @@ def json_schema(value: Any, param: str) -> dict[str, Any]:
 
 
 def function_spec(fields: Any, param: str, *, schema_key: str = "parameters") -> dict[str, Any]:
-    """One function tool's `{"name", "description", "parameters"}` from an object of the
-    caller's dialect holding `name`, `description` and `schema_key`."""
+    """One function tool's `{"name", "description", "parameters"}` (and `"strict": True` for a
+    strict one) from an object of the caller's dialect holding `name`, `description` and
+    `schema_key`."""
     if not isinstance(fields, dict):
         raise _refuse(f"must be an object, got {type(fields).__name__}.", param)
     description = fields.get("description")
     if description is not None and not isinstance(description, str):
         raise _refuse("description must be a string.", f"{param}.description")
-    return {
+    spec = {
         "name": tool_name(fields.get("name"), f"{param}.name"),
         "description": description or "",
         "parameters": json_schema(fields.get(schema_key), f"{param}.{schema_key}"),
     }
+    if fields.get("strict") is True:  # its calls' arguments are held to the schema
+        spec["strict"] = True
+    return spec
 
 
 def tool_list(value: Any, param: str) -> list[Any]:

@@ -22,6 +22,7 @@ from omlx.cache.kv_layout import kv_bytes_per_token
 from omlx.engine import activity
 from omlx.engine.bridge import Bridge
 from omlx.engine.config import EngineConfig
+from omlx.engine.constraints import ConstraintError
 from omlx.engine.device_fault import DEVICE, DeviceLostError
 from omlx.engine.kv_budget import KvBudget
 from omlx.engine.layer_captures import captures_states
@@ -447,7 +448,12 @@ class LLMEngine:
         for state, error in self.runner.sampling_faults(list(self.scheduler.running.values())):
             log.warning("request=%s: sampling failed: %s", state.id, error)
             self.runner.drop(state)
-            self.scheduler.finish(state, "error", error=f"sampling failed: {error}")
+            if isinstance(error, ConstraintError):  # its own grammar: the caller's to fix
+                state.pending.error_type = error.error_type
+                message = f"structured output failed: {error}"
+            else:
+                message = f"sampling failed: {error}"
+            self.scheduler.finish(state, "error", error=message)
 
     def _cancel(self, request_id: str) -> None:
         sched = self.scheduler

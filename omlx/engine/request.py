@@ -12,7 +12,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 _ids = itertools.count(1)
 
@@ -50,6 +50,9 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top-k alternatives
     prompt_logprobs: int | None = None  # for completions `echo` + logprobs
+    # what the output is held to (`constraints.Constraint`: a grammar, reasoning, a thinking
+    # budget), built once per request; None: nothing
+    constraint: Any = None
     created: float = field(default_factory=time.time)
 
 
@@ -89,6 +92,9 @@ class GenerationEvent:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # "invalid_request_error" when the request's own constraint failed (its caller's fault);
+    # None: the engine's
+    error_type: str | None = None
     stop_string: str | None = None  # set when a stop string (not EOS) ended the output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
@@ -107,5 +113,6 @@ class GenerationEvent:
             self.cached_tokens = later.cached_tokens
             self.completion_tokens = later.completion_tokens
             self.error = later.error
+            self.error_type = later.error_type
             self.stop_string = later.stop_string
             self.first_token_time = later.first_token_time

@@ -34,6 +34,7 @@ from omlx.engine.sampling import (
     build_sampler,
     clear_faults,
     fault,
+    unchanged,
 )
 from omlx.engine.scheduler import Admission, Admitted
 from omlx.engine.solo import (
@@ -304,6 +305,8 @@ class Runner(RunnerStores):
         state.prefill_start = time.perf_counter()
         state.sampler = build_sampler(req.sampling)
         state.processors = build_logits_processors(req.sampling)
+        if req.constraint is not None:  # last: nothing after it can give a masked token back
+            state.processors.append(Guarded(req.constraint.processor(state.prompt_len), unchanged))
         state.stop_sequences = stop_seqs
         state.captures = Captures(self.cache, state.prompt_len, cached) if self.stateful else None
 
@@ -353,6 +356,9 @@ class Runner(RunnerStores):
             reason = "length"
         if reason is None:
             return TokenOut(state, token, logprobs)
+        if state.store_prompt:  # its prompt's own blocks (a tail keyed by the prompt alone), stored after its end
+            state.store_prompt = False
+            self.stores.add(solo.fed[: self._prompt_stored(state)], solo.cache, self._states(state))
         states = state.captures.with_end(solo.cache, len(solo.fed)) if state.captures is not None else None
         return TokenOut(state, token, logprobs, reason, prompt_cache=solo.cache, all_tokens=solo.fed, boundary_states=states)
 

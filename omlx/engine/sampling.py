@@ -66,7 +66,7 @@ def _argmax(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def _unchanged(tokens: mx.array, logits: mx.array) -> mx.array:
+def unchanged(tokens: mx.array, logits: mx.array) -> mx.array:
     return logits
 
 
@@ -114,7 +114,7 @@ def build_logits_processors(p: SamplingParams) -> list[Guarded]:
         presence_penalty=p.presence_penalty or None,
         frequency_penalty=p.frequency_penalty or None,
     )
-    return [Guarded(fn, _unchanged) for fn in processors]
+    return [Guarded(fn, unchanged) for fn in processors]
 
 
 def fault(sampler: Any, processors: Iterable[Any]) -> Exception | None:

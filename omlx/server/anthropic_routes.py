@@ -13,12 +13,14 @@ from fastapi.responses import JSONResponse
 from omlx.api.anthropic_models import (
     CountTokensRequest,
     MessagesRequest,
+    thinking_budget,
     thinking_kwargs,
     to_chat_messages,
     tool_choice_name,
     tool_input,
     tool_specs,
 )
+from omlx.api.output_format import anthropic_output_format
 from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
@@ -49,6 +51,8 @@ def _turn(body: MessagesRequest) -> ChatTurn:
         sampling={"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k},
         template_kwargs=thinking_kwargs(body.thinking),
         id_prefix="msg",
+        output_format=anthropic_output_format(body.output_config, body.output_format),
+        thinking_budget=thinking_budget(body.thinking),
     )
 
 
@@ -183,7 +187,8 @@ async def _stream(engine: LLMEngine, prepared: Any, msg_id: str, model: str, int
             if ev.finish_reason is not None:
                 final = final_from(ev, parser)
     except Exception as exc:  # the stream has started: report in-band, Anthropic style
-        yield sse_event("error", {"type": "error", "error": {"type": "api_error", "message": str(exc)}})
+        kind = "invalid_request_error" if getattr(exc, "status", 500) == 400 else "api_error"
+        yield sse_event("error", {"type": "error", "error": {"type": kind, "message": str(exc)}})
         return
     if index == -1:
         for line in start("text", {"type": "text", "text": ""}):

@@ -15,16 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.api.chat_template import render_chat
+from omlx.api.output_format import OutputFormat
 from omlx.api.output_parser import OutputParser
 from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
 from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_id
-from omlx.errors import EngineError, InvalidRequestError
+from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
-from omlx.server.generation import completion_budget, sampling_params
+from omlx.server.generation import completion_budget, event_error, sampling_params
 from omlx.server.log_setup import bind
+from omlx.server.structured import build_constraint, tool_forcing
 
 log = logging.getLogger("omlx.server")
 
@@ -43,6 +45,8 @@ class ChatTurn:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None
     id_prefix: str = "chatcmpl"
+    output_format: OutputFormat | None = None  # held to it (docs/design/structured-output.md)
+    thinking_budget: int | None = None  # reasoning tokens before the end of thinking is forced
 
 
 @dataclass
@@ -145,6 +149,10 @@ async def prepare_chat(
     sampling = sampling_params(
         turn.sampling, defaults, seed=turn.seed, logit_bias=turn.logit_bias, vocab_size=engine.model_vocab_size
     )
+    constraint, family = await build_constraint(
+        engine, fmt=turn.output_format, forcing=tool_forcing(tools, turn.tool_choice, turn.output_format is not None),
+        family=family, starts_in_reasoning=starts_in_reasoning, budget=turn.thinking_budget,
+    )  # fmt: skip
     request = GenerationRequest(
         request_id=new_request_id(turn.id_prefix),
         prompt_tokens=prompt,
@@ -152,6 +160,7 @@ async def prepare_chat(
         sampling=sampling,
         stop=turn.stop,
         logprobs=turn.logprobs,
+        constraint=constraint,
     )
     bind(request_id=request.request_id)
     return PreparedChat(request, family, tools, reasoning, starts_in_reasoning, think_start, think_end)
@@ -170,7 +179,7 @@ async def parsed_events(
     """Each engine event with the parsed deltas its text produced (the last one also flushes)."""
     async for ev in events:
         if ev.finish_reason == "error":
-            raise EngineError(ev.error or "generation failed")
+            raise event_error(ev)
         deltas = parser.feed(ev.text) if ev.text else []
         if ev.finish_reason is not None:
             deltas += parser.finish()

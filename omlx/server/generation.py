@@ -13,7 +13,7 @@ from typing import Any
 
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, SamplingParams
-from omlx.errors import EngineError, InvalidRequestError
+from omlx.errors import EngineError, InvalidRequestError, OMLXError
 from omlx.pool.model_settings import GenerationDefaults
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -88,13 +88,22 @@ def completion_budget(
     return max(0 if allow_zero else 1, min(wanted, window - prompt_len))
 
 
+def event_error(ev: GenerationEvent) -> OMLXError:
+    """The error a failed request's last event reports: the caller's (its own grammar could not
+    go on: 400) or the engine's (500)."""
+    message = ev.error or "generation failed"
+    if ev.error_type == InvalidRequestError.error_type:
+        return InvalidRequestError(message)
+    return EngineError(message)
+
+
 @dataclass
 class Collected(GenerationEvent):
     """All events of one sequence folded into a final result (an engine error is raised)."""
 
     def add(self, ev: GenerationEvent) -> None:
         if ev.finish_reason == "error":
-            raise EngineError(ev.error or "generation failed")
+            raise event_error(ev)
         self.merge(ev)
 
 

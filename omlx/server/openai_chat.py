@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from omlx.api.chat_template import content_text, normalize_tool_calls
 from omlx.api.openai_models import ChatCompletionRequest
+from omlx.api.output_format import openai_response_format
 from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_specs import openai_tool_choice, openai_tools
 from omlx.engine.llm_engine import LLMEngine
@@ -31,6 +32,7 @@ from omlx.server.chat_pipeline import (
 from omlx.server.generation import SAMPLING_FIELDS, fan_out, usage_dict
 from omlx.server.openai_routes import chat_logprobs, default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
+from omlx.server.structured import effort_budget
 
 router = APIRouter()
 
@@ -68,6 +70,11 @@ def _turn(body: ChatCompletionRequest) -> ChatTurn:
         logit_bias=body.logit_bias,
         template_kwargs=dict(body.chat_template_kwargs or {}),
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        output_format=openai_response_format(body.response_format),
+        thinking_budget=(
+            body.thinking_budget if body.thinking_budget is not None
+            else effort_budget(body.reasoning_effort, "reasoning_effort")
+        ),
     )
 
 
@@ -176,7 +183,8 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, requests: list[Gene
             continue
         i, deltas, ev, final, error = item  # type: ignore[misc]
         if error is not None:
-            yield sse_data({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}})
+            kind = getattr(error, "error_type", "server_error")
+            yield sse_data({"error": {"message": str(error), "type": kind, "param": None, "code": None}})
             return
         lp = chat_logprobs(engine.tokenizer, ev.logprobs) if want_logprobs and ev.logprobs else None
         for d in deltas:

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from omlx.api.openai_models import CompletionRequest, SamplingFields
+from omlx.api.output_format import completion_format
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams, TokenLogprob, new_request_id
 from omlx.errors import InvalidRequestError
@@ -29,6 +30,7 @@ from omlx.server.generation import (
 )
 from omlx.server.log_setup import bind
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
+from omlx.server.structured import build_constraint
 
 router = APIRouter()
 
@@ -149,6 +151,8 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
     if body.stream and body.echo and body.logprobs is not None:
         raise InvalidRequestError("echo with logprobs is not supported when streaming.", param="echo")
     sampling = sampling_from(body, vocab, defaults)
+    fmt = completion_format(body.json_schema, body.regex, body.grammar)
+    constraint = (await build_constraint(engine, fmt=fmt))[0] if fmt is not None else None
     requests: list[GenerationRequest] = []
     for p in prompts:
         budget = completion_budget(
@@ -163,6 +167,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
             stop=body.stop_list(),
             logprobs=body.logprobs,
             prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+            constraint=constraint,
         )
         requests += fan_out(base, body.n)
     rid = requests[0].request_id.rsplit("-", 1)[0] if body.n > 1 else requests[0].request_id
@@ -239,7 +244,8 @@ async def _completion_stream(
             continue
         i, ev = item  # type: ignore[misc]
         if ev.finish_reason == "error":
-            yield sse_data({"error": {"message": ev.error or "generation failed", "type": "server_error", "param": None, "code": None}})
+            kind = ev.error_type or "server_error"
+            yield sse_data({"error": {"message": ev.error or "generation failed", "type": kind, "param": None, "code": None}})
             return
         if ev.text or (want_logprobs and ev.logprobs):
             lp = completion_logprobs(engine.tokenizer, list(ev.logprobs)) if want_logprobs else None

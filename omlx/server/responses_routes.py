@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from omlx.api.output_format import responses_text_format
 from omlx.api.responses_models import (
     ResponsesRequest,
     ResponseStore,
@@ -25,6 +26,7 @@ from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_pipeline import ChatFinal, ChatTurn, final_from, parsed_events, prepare_chat
 from omlx.server.openai_routes import default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
+from omlx.server.structured import effort_budget
 
 router = APIRouter()
 
@@ -81,8 +83,13 @@ class ResponseBuilder:
             "temperature": b.temperature, "top_p": b.top_p, "tools": b.tools or [],
             "tool_choice": b.tool_choice or "auto", "parallel_tool_calls": True, "store": b.store,
             "metadata": b.metadata or {}, "usage": usage, "error": None, "incomplete_details": None,
-            "text": {"format": {"type": "text"}}, "reasoning": b.reasoning or {"effort": None, "summary": None},
+            "text": self.text_config(), "reasoning": b.reasoning or {"effort": None, "summary": None},
         }
+
+    def text_config(self) -> dict[str, Any]:
+        """The `text` configuration asked for, echoed (its format is enforced)."""
+        text = self.body.text if isinstance(self.body.text, dict) else {}
+        return {**text, "format": text.get("format") or {"type": "text"}}
 
     def output_text(self) -> str:
         return "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
@@ -103,6 +110,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         max_tokens=body.max_output_tokens,
         sampling={"temperature": body.temperature, "top_p": body.top_p},
         id_prefix="resp",
+        output_format=responses_text_format(body.text),
+        thinking_budget=effort_budget((body.reasoning or {}).get("effort"), "reasoning.effort"),
     )
     return await with_llm(request, body.model, lambda e, r: _create(body, turn, request, e, r))
 
@@ -243,7 +252,8 @@ async def _stream(engine: LLMEngine, prepared: Any, builder: ResponseBuilder, st
             name, payload = item  # type: ignore[misc]
             yield sse_event(name, payload)
     except Exception as exc:  # the stream has started: report in-band
-        yield sse_event("error", {"type": "error", "code": "server_error", "message": str(exc), "param": None})
+        kind = getattr(exc, "error_type", "server_error")
+        yield sse_event("error", {"type": "error", "code": kind, "message": str(exc), "param": None})
         return
     _remember(store, builder, messages, builder.final_response)  # type: ignore[attr-defined]
 

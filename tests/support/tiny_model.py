@@ -14,6 +14,9 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# a reasoning model's template: the answer opens inside a think block
+THINKING_CHATML = CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>\n{% endif %}")
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is the capital of France? The capital of France is Paris.",
@@ -23,7 +26,9 @@ CORPUS = [
 ] * 20
 
 
-def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
+def build_tokenizer(out: Path, vocab_size: int = 512, thinking: bool = False) -> None:
+    """A BPE tokenizer with ChatML's special tokens (and `<think>`/`</think>` with `thinking`,
+    whose template opens a think block for the answer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -31,7 +36,7 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<think>", "</think>"] if thinking else []),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS, trainer)
@@ -43,7 +48,7 @@ def build_tokenizer(out: Path, vocab_size: int = 512) -> None:
                 "bos_token": None,
                 "eos_token": "<|im_end|>",
                 "pad_token": "<|endoftext|>",
-                "chat_template": CHATML,
+                "chat_template": THINKING_CHATML if thinking else CHATML,
                 "model_max_length": 2048,
             }
         )
@@ -64,6 +69,7 @@ def build_tiny_llama(
     dtype: str = "float32",
     eos_unreachable: bool = False,
     weight_scale: float = 4.0,
+    thinking: bool = False,
 ) -> Path:
     """A random-weight model folder that mlx_lm.load() accepts; ~2 MB, loads in ~0.05 s.
     `dtype="bfloat16"` gives the half-precision path (MLX's CUDA prefill attention runs
@@ -71,14 +77,14 @@ def build_tiny_llama(
     logit is far below every other token's after any input, so that greedy (or sampled)
     output only ends at max_tokens or the context window; for APIs without `logit_bias`.
     `weight_scale=1.0` keeps MLX's default init: a model whose greedy output repeats one token
-    (for tests of repetition penalties)."""
+    (for tests of repetition penalties). `thinking`: a reasoning model's tokenizer and template."""
     import importlib
 
     import mlx.core as mx
     from mlx_lm.utils import save_model
 
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
+    build_tokenizer(out, thinking=thinking)
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
     config = {
         "model_type": model_type,
