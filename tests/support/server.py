@@ -62,7 +62,7 @@ class ServerProcess:
                     self.health_seen.append((r.status_code, r.json()))
                 if r.status_code == 200:
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # not up yet, or not our JSON yet
                 pass
             time.sleep(0.2)
         self.stop()
