@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from omlx.cache.plan.restore_plan import PrefillEstimate
+
 SLOW_OUTLIER_WEIGHT = 0.2  # of a prefill 1.5x slower than predicted
 # A fit whose attention term per token, against its per-token term, lies further than this
 # factor from what the model's shapes say (`model_shapes.attention_ratio`) is not trusted:
@@ -80,6 +82,10 @@ class PrefillCost:
             return None
         c, a, b = self._fit()
         return (c if whole else 0.0) + a * n + b * n * (depth + n / 2)
+
+    def estimate(self) -> PrefillEstimate:
+        """The fit now, as a value a plan carries (no terms before the first observation)."""
+        return PrefillEstimate(self._fit() if self.observations else None)
 
     def terms(self) -> tuple[float, float, float]:
         """The fitted (c, a, b) of t ≈ c + a·n + b·n·(d + n/2); zeros before any observation."""

@@ -16,13 +16,15 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from omlx.cache.interface import PrefixCacheInterface
+from omlx.cache.loader.loading import Loading
+from omlx.cache.plan.restore_plan import RestorePlan
 from omlx.engine import load_warmup
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.kv_budget import KvBudget
-from omlx.engine.layer_captures import Captures, captures_states
+from omlx.engine.layer_captures import Captures
 from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent
@@ -74,7 +76,7 @@ class Runner(RunnerStores):
         self.quantum = quantum  # the prefill grid (`EngineConfig.prefill_grid`)
         # windows / recurrent layers: the engine prefills every prompt itself, in chunks ending
         # on the cache's capture points, and snapshots their state (docs/design/cache-kinds.md)
-        self.stateful = captures_states(cache)
+        self.stateful = cache.blocks.captures_states
         self.eos_ids = eos_ids
         self.model_id = model_id
         self.stream = stream  # the engine's one MLX stream
@@ -208,36 +210,41 @@ class Runner(RunnerStores):
                 state.queued = max(0.0, time.time() - state.request.created)
                 self.stores.finish_for(state.request.prompt_tokens)
                 asked = time.perf_counter()
-                prefetched = self._read_ahead(state)
+                loading = self._read_ahead(state)
                 state.admit_s = (asked - state.taken, time.perf_counter() - asked)
-                if prefetched is not None:
-                    return Admitted(Admission.RESTORE, prefetched)
+                if loading is not None:
+                    return Admitted(Admission.RESTORE, loading)
             return self._insert(state, alone)
         except Exception as exc:  # the runner's boundary: this request fails, the engine goes on
             DEVICE.check(exc)
             log.exception("request %s failed at admission", state.id)
             return Admitted(Admission.FAILED, event=GenerationEvent(finish_reason="error", error=str(exc)))
 
-    def _read_ahead(self, state: RequestState) -> Any:
-        """The request's cached prefix made ready ahead (read from the SSD off this thread,
-        moved from RAM a chunk per loop while others run), or None."""
+    def _read_ahead(self, state: RequestState) -> Loading | None:
+        """The request's restore plan (`match`, once per admission), and its loading when some of it is
+        made ready ahead (read from the SSD off this thread, moved from RAM a chunk per loop while
+        others run): the request then waits, RESTORING; else None (restored in line at its insert)."""
         req = state.request
         if req.max_tokens <= 0:
             return None
-        prefetched = self.cache.prefetch(req.prompt_tokens, lambda: self.on_restored(state))
-        if prefetched is not None:
-            log.debug("request=%s restores its cached prefix ahead", req.request_id)
-        return prefetched
+        state.plan = self.cache.match(req.prompt_tokens, grid=self.quantum)
+        state.loading = self.cache.load(state.plan, lambda: self.on_restored(state))
+        if not state.loading.pending:
+            return None
+        log.debug("request=%s restores its cached prefix ahead", req.request_id)
+        return state.loading
 
-    def advance_restores(self, restoring: dict[RequestState, Any], mover: Any, alone: bool) -> list[tuple[RequestState, Any]]:
-        """A piece of each read-ahead's work (`mover` moves blocks on this thread, all of
+    def advance_restores(
+        self, restoring: dict[RequestState, Loading], mover: Loading | None, alone: bool
+    ) -> list[tuple[RequestState, Loading | None]]:
+        """A piece of each restore's work ahead (`mover` moves blocks on this thread, all of
         them when `alone`); those ready, with None for one that failed."""
-        ready: list[tuple[RequestState, Any]] = []
-        for state, prefetched in restoring.items():
+        ready: list[tuple[RequestState, Loading | None]] = []
+        for state, loading in restoring.items():
             try:
-                if self.cache.advance(prefetched, move=prefetched is mover, alone=alone):
-                    ready.append((state, prefetched))
-            except Exception:  # caching is an optimisation: `lookup` restores in line instead
+                if self.cache.advance(loading, move=loading is mover, alone=alone):
+                    ready.append((state, loading))
+            except Exception:  # caching is an optimisation: `cache_for` restores in line instead
                 log.exception("restoring the cached prefix of %s ahead failed", state.id)
                 ready.append((state, None))
         return ready
@@ -255,25 +262,19 @@ class Runner(RunnerStores):
         if req.max_tokens <= 0:
             event = GenerationEvent(finish_reason="length", prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
             return Admitted(Admission.ANSWERED, event=event)
-        if state.prefetched is not None:
-            self.cache.take(state.prefetched)
-            state.prefetched = None
-        looked = time.perf_counter()
-        cache, cached = align_cached(*self.cache.lookup(tokens), self.quantum)
-        own = alone or ((self.config.own_prefill or self.stateful) and len(tokens) - cached > 1)
+        if state.plan is None:  # asked for no read-ahead (no tokens to generate is answered above)
+            state.plan = self.cache.match(tokens, grid=self.quantum)
+        loading, state.loading = state.loading or self.cache.load(state.plan), None
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
-        shaped = time.perf_counter()
-        if own:
-            cache, cached = onto_built_shapes(
-                cache, cached, len(tokens), step, self.shapes, self.quantum, self.cache.prefill_seconds
-            )
+        looked = time.perf_counter()
+        cache, cached = self.cache.cache_for(loading, lambda c, n: self._fit(c, n, state.plan, alone, step))
+        own = self._owns_prefill(len(tokens) - cached, alone)
         if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
             now = time.perf_counter()
             log.debug(
-                "request=%s admitted in %.4fs: stores %.4fs, read-ahead asked %.4fs, lookup %.4fs, shapes %.4fs,"
+                "request=%s admitted in %.4fs: stores %.4fs, restore planned %.4fs, restored %.4fs,"
                 " other %.4fs (a read-ahead's wait, prompt logprobs)",
-                req.request_id, now - taken, *state.admit_s, shaped - looked, now - shaped,
-                looked - taken - sum(state.admit_s),
+                req.request_id, now - taken, *state.admit_s, now - looked, looked - taken - sum(state.admit_s),
             )  # fmt: skip
         self._prepare(state, cached, taken)
         if own:  # decodes alone, or is prefilled here and joins the batch with its last token
@@ -287,8 +288,20 @@ class Runner(RunnerStores):
             self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH
         state.pending.prompt_logprobs = prompt_logprobs
-        self.cache.record(len(tokens), cached)
         return Admitted(kind)
+
+    def _owns_prefill(self, left: int, alone: bool) -> bool:
+        """Whether the engine prefills a prompt with `left` tokens to compute (else the BatchGenerator)."""
+        return alone or ((self.config.own_prefill or self.stateful) and left > 1)
+
+    def _fit(self, cache: Any, cached: int, plan: RestorePlan, alone: bool, step: int) -> tuple[Any, int]:
+        """A restored prefix cut onto the prefill grid, and back to a multiple of the step where that trades
+        a graph build for a cheaper recompute (the plan's estimate: docs/design/prefill-grid.md)."""
+        tokens = plan.prompt_tokens
+        cache, cached = align_cached(cache, cached, self.quantum)
+        if self._owns_prefill(tokens - cached, alone):
+            cache, cached = onto_built_shapes(cache, cached, tokens, step, self.shapes, self.quantum, plan.recompute_seconds)
+        return cache, cached
 
     def _prepare(self, state: RequestState, cached: int, taken: float) -> None:
         """A request's decoding state, built as it is inserted."""
@@ -305,19 +318,20 @@ class Runner(RunnerStores):
         state.sampler = build_sampler(req.sampling)
         state.processors = build_logits_processors(req.sampling)
         state.stop_sequences = stop_seqs
-        state.captures = Captures(self.cache, state.prompt_len, cached) if self.stateful else None
+        state.captures = Captures(self.cache.blocks, state.prompt_len, cached) if self.stateful else None
 
     def _resume(self, state: RequestState) -> None:
         """Insert a paused sequence again: its prompt and the tokens it generated, as far as
         cached, restored; it goes on from its last token."""
         tokens = state.request.prompt_tokens + state.generated
-        cache, cached = self.cache.lookup(tokens)
+        plan = self.cache.match(tokens, grid=self.quantum, resumed=True)
+        cache, cached = self.cache.cache_for(self.cache.load(plan))
         cached = min(cached, len(tokens) - 1)
         if cache is not None and plain_kv(cache) and cached < cache[0].offset:  # a stateful one is never trimmed
             for c in cache:
                 c.trim(c.offset - cached)
         if self.stateful:  # the rest goes through the BatchGenerator: only decode's boundaries are captured
-            state.captures = Captures(self.cache, len(tokens), len(tokens))
+            state.captures = Captures(self.cache.blocks, len(tokens), len(tokens))
         left = state.request.max_tokens - state.completion_tokens
         self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
 

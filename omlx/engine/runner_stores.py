@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from omlx.cache.interface import PrefixCacheInterface
-from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS
+from omlx.cache.plan.tails import MIN_TAIL_ONLY_TOKENS
 from omlx.engine.request_state import RequestState
 
 log = logging.getLogger("omlx.engine")
@@ -48,7 +48,7 @@ class RunnerStores:
             # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
             # so the same prompt finds it again (also after a restart)
             prompt = list(cache_and_tokens[1])[: self._prompt_stored(state)]
-            if len(prompt) == self._prompt_stored(state) or self.cache.wants_prompt_blocks(len(prompt), state.cached_tokens):
+            if len(prompt) == self._prompt_stored(state) or state.plan.worth_storing(len(prompt), state.cached_tokens):
                 self.store(prompt, cache_and_tokens[0], final=False, boundary_states=self._states(state))
 
     def _prompt_stored(self, state: RequestState) -> int:
@@ -74,7 +74,7 @@ class RunnerStores:
             solo = state.solo
             if solo.prefilling:
                 fed = solo.fed[: state.prompt_len]
-                if self.cache.wants_prompt_blocks(len(fed), state.cached_tokens):
+                if state.plan.worth_storing(len(fed), state.cached_tokens):
                     self.store(fed, solo.cache, final=False, boundary_states=self._states(state))
             else:
                 self.store_solo_prompt(state, now=True)
@@ -94,7 +94,7 @@ class RunnerStores:
 
     def _capture_row(self, state: RequestState, length: int) -> None:
         """A stateful batch row's state, taken when it holds `length` tokens, a block multiple."""
-        if state.captures is not None and length % self.cache.block_size == 0:
+        if state.captures is not None and self.cache.blocks.at_boundary(length):
             found = self.bg.extract_cache([state.uid]).get(state.uid)
             if found is not None:
                 state.captures.take(found[0], length)
@@ -102,7 +102,7 @@ class RunnerStores:
     def wants_prompt_blocks(self, state: RequestState) -> bool:
         """Whether a just-prefilled prompt is worth storing now: new full blocks, or for a
         stateful model also a tail long enough to serve the same prompt again alone."""
-        cached = state.cached_tokens
+        cached, plan = state.cached_tokens, state.plan
         if self.stateful and state.prompt_len - 1 - cached >= MIN_TAIL_ONLY_TOKENS:
-            return self.cache.wants_prompt_blocks(cached + self.cache.block_size, cached)
-        return self.cache.wants_prompt_blocks(state.prompt_len, cached)
+            return plan.worth_storing(cached + self.cache.blocks.block_size, cached)
+        return plan.worth_storing(state.prompt_len, cached)

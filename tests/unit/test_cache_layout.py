@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-CACHE = sorted((Path(__file__).resolve().parents[2] / "omlx" / "cache").glob("*.py"))
+CACHE = sorted((Path(__file__).resolve().parents[2] / "omlx" / "cache").rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", CACHE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CACHE, ids=lambda p: "/".join(p.parts[p.parts.index("cache") + 1 :]))
 def test_modules_and_functions_stay_small(path: Path) -> None:
     text = path.read_text()
     assert len(text.splitlines()) <= 500
@@ -21,7 +21,7 @@ def test_modules_and_functions_stay_small(path: Path) -> None:
             assert node.end_lineno - node.lineno + 1 <= 60, node.name
 
 
-@pytest.mark.parametrize("path", CACHE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CACHE, ids=lambda p: "/".join(p.parts[p.parts.index("cache") + 1 :]))
 def test_docstrings_state_contracts_in_three_lines_at_most(path: Path) -> None:
     tree = ast.parse(path.read_text())
     for node in [tree, *ast.walk(tree)]:
@@ -30,13 +30,13 @@ def test_docstrings_state_contracts_in_three_lines_at_most(path: Path) -> None:
             assert doc is None or len(doc.splitlines()) <= 3, getattr(node, "name", path.name)
 
 
-@pytest.mark.parametrize("path", CACHE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CACHE, ids=lambda p: "/".join(p.parts[p.parts.index("cache") + 1 :]))
 def test_no_machine_names_dates_or_sessions(path: Path) -> None:
     text = path.read_text()
     assert not re.search(r"H200|H100|\b20\d\d-\d\d|\bsession \d", text)
 
 
-@pytest.mark.parametrize("path", CACHE, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CACHE, ids=lambda p: "/".join(p.parts[p.parts.index("cache") + 1 :]))
 def test_broad_excepts_only_at_a_thread_s_boundary(path: Path) -> None:
     for line in path.read_text().splitlines():
         if re.search(r"except (Exception|BaseException)\b", line):

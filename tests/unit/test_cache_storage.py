@@ -26,10 +26,10 @@ from omlx.cache.block_hash import (
     tail_keys,
     weights_digest,
 )
-from omlx.cache.hot_tier import HotTier
 from omlx.cache.sizes import parse_size
-from omlx.cache.ssd_format import is_key
-from omlx.cache.ssd_tier import SSDTier, read_header
+from omlx.cache.tiers.memory_tier import MemoryTier
+from omlx.cache.tiers.ssd.format import is_key
+from omlx.cache.tiers.ssd.tier import SSDTier, read_header
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -396,7 +396,7 @@ def test_checksum_slices_scalars_and_dtypes() -> None:
 def test_hot_tier_lru_and_budget() -> None:
     blocks = [make_block(i) for i in range(5)]
     size = blocks[0].nbytes
-    hot = HotTier(3 * size)
+    hot = MemoryTier(3 * size)
     for b in blocks[:3]:
         assert hot.put(b)
     assert hot.get(blocks[0].key) is blocks[0]  # 0 becomes most recent
@@ -420,7 +420,7 @@ def test_hot_tier_lru_and_budget() -> None:
 def test_hot_tier_put_evicts_none_of_keep() -> None:
     blocks = [make_block(i) for i in range(5)]
     size = blocks[0].nbytes
-    hot = HotTier(3 * size)
+    hot = MemoryTier(3 * size)
     for b in blocks[:3]:
         assert hot.put(b)
     chain = {b.key for b in blocks[1:4]}
@@ -434,15 +434,15 @@ def test_hot_tier_put_evicts_none_of_keep() -> None:
 
 def test_hot_tier_oversize_disabled_fingerprint_clear() -> None:
     big = make_block(0, tokens=64)
-    hot = HotTier(big.nbytes - 1)
+    hot = MemoryTier(big.nbytes - 1)
     assert not hot.put(big)
     assert hot.stats()["blocks"] == 0
 
-    off = HotTier(0)
+    off = MemoryTier(0)
     assert not off.put(make_block(1))
     assert off.get(make_block(1).key) is None
 
-    hot = HotTier(1 << 20)
+    hot = MemoryTier(1 << 20)
     for i in range(3):
         hot.put(make_block(i, FP))
         hot.put(make_block(i, FP2))
@@ -457,7 +457,7 @@ def test_hot_tier_oversize_disabled_fingerprint_clear() -> None:
 
 def test_hot_tier_threads() -> None:
     blocks = [make_block(i) for i in range(40)]
-    hot = HotTier(10 * blocks[0].nbytes)
+    hot = MemoryTier(10 * blocks[0].nbytes)
 
     def worker(offset: int) -> None:
         for n in range(400):

@@ -61,9 +61,9 @@ class Planner:
     whole_tails: bool = False
     tails: TailIndex = field(default_factory=TailIndex)
 
-    def match(self, tokens: list[int], measured: Measured, grid: int = 0) -> RestorePlan:
+    def match(self, tokens: list[int], measured: Measured, grid: int = 0, resumed: bool = False) -> RestorePlan:
         """The plan for `tokens` (at least one token is left to compute); `grid`: the engine's prefill
-        grid, a restored prefix is used only up to a multiple of it."""
+        grid, a restored prefix is used only up to a multiple of it; `resumed`: not a new request's."""
         size, limit = self.block_size, len(tokens) - 1
         keys = block_keys(self.fingerprint, tokens, size)
         chain = Chain(keys[: max(0, limit) // size], size, self.kv_only)
@@ -77,7 +77,7 @@ class Planner:
         ram_only = self.view.has_ram() and measured.block_bytes > 0 and not self.view.device_can_hold(measured.block_bytes)
         return RestorePlan(
             len(tokens), size, tuple(keys), runs, tails, self.kv_only, measured.costs.prefill,
-            stores_after_prefill=not ram_only,
+            stores_after_prefill=not ram_only, counted=not resumed,
         )  # fmt: skip
 
 

@@ -83,6 +83,7 @@ class RestorePlan:
     kv_only: bool = False
     recompute: PrefillEstimate = PrefillEstimate()
     stores_after_prefill: bool = True  # false: only RAM would keep blocks, stored at the request's end
+    counted: bool = True  # a request's restore (false: a paused sequence's own tokens again)
 
     @property
     def restored_blocks(self) -> int:

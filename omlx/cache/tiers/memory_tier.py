@@ -1,6 +1,6 @@
-"""The in-memory tiers: a thread-safe LRU of blocks under one byte budget shared by all loaded
-models (keys include the fingerprint): the hot tier of `CacheBlock`s and, on a discrete GPU, the
-RAM tier of `HostBlock`s it hands its evictions to (`on_evict`); joined, each records its state."""
+"""The in-memory tiers: an LRU of blocks under one byte budget shared by all loaded models (keys
+include the fingerprint): device memory's of `CacheBlock`s and, on a discrete GPU, RAM's of
+`HostBlock`s; each records its state in the tiers' directory under the lock it is given."""
 
 from __future__ import annotations
 
@@ -10,15 +10,24 @@ from collections.abc import Callable
 from typing import Any
 
 from omlx.cache.block import CacheBlock
-from omlx.cache.residency import BlockDirectory, Residency
+from omlx.cache.tiers.residency import BlockDirectory, Residency
 
-__all__ = ["HotTier"]
+__all__ = ["MemoryTier"]
 
 
-class HotTier:
-    """Thread-safe LRU of ``CacheBlock`` by key; ``max_bytes == 0`` disables the tier."""
+class MemoryTier:
+    """LRU of blocks by key under `lock` (its own if not given); with a `directory` it records `state`
+    (HOT or RAM) there for each key it holds; ``max_bytes == 0`` disables the tier."""
 
-    def __init__(self, max_bytes: int, on_evict: Callable[[Any], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int,
+        *,
+        lock: threading.RLock | None = None,
+        directory: BlockDirectory | None = None,
+        state: Residency = Residency.NONE,
+        on_evict: Callable[[Any], None] | None = None,
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self._max_bytes = int(max_bytes)
@@ -26,25 +35,12 @@ class HotTier:
         self._blocks: OrderedDict[str, Any] = OrderedDict()  # oldest first
         self._sizes: dict[str, int] = {}
         self._bytes = 0
-        self._lock: threading.RLock = threading.RLock()
-        self._directory: BlockDirectory | None = None  # where its keys' state is recorded (`join`)
-        self._state = Residency.NONE
+        self.lock = lock if lock is not None else threading.RLock()  # every method takes it
+        self._directory = directory  # where its keys' state is recorded
+        self._state = state
         self._hits = 0
         self._misses = 0
         self._evictions = 0
-
-    @property
-    def lock(self) -> threading.RLock:
-        """The reentrant lock every method of this tier takes."""
-        return self._lock
-
-    def join(self, directory: BlockDirectory, state: Residency) -> None:
-        """Record `state` (HOT or RAM) in `directory` for each key while this tier holds it, under
-        the directory's lock from now on (a `CacheStore`'s tiers share both); before use."""
-        with directory.lock:
-            self._lock, self._directory, self._state = directory.lock, directory, state
-            for key, block in self._blocks.items():
-                directory.mark(key, self._flags(block))
 
     @property
     def max_bytes(self) -> int:
@@ -56,7 +52,7 @@ class HotTier:
 
     def get(self, key: str) -> Any | None:
         """The block for ``key`` (now most recently used) or ``None``."""
-        with self._lock:
+        with self.lock:
             block = self._blocks.get(key)
             if block is None:
                 self._misses += 1
@@ -67,7 +63,7 @@ class HotTier:
 
     def take(self, key: str) -> Any | None:
         """Remove and return the block for ``key`` (a hit: it moves to another tier) or ``None``."""
-        with self._lock:
+        with self.lock:
             block = self._pop(key)
             if block is None:
                 self._misses += 1
@@ -77,12 +73,12 @@ class HotTier:
 
     def peek(self, key: str) -> Any | None:
         """The block for ``key`` or ``None``, leaving LRU order and counters alone."""
-        with self._lock:
+        with self.lock:
             return self._blocks.get(key)
 
     def touch(self, key: str) -> bool:
         """Mark ``key`` most recently used if present (no hit counted); whether it was."""
-        with self._lock:
+        with self.lock:
             if key not in self._blocks:
                 return False
             self._blocks.move_to_end(key)
@@ -90,14 +86,14 @@ class HotTier:
 
     def touch_many(self, keys: list[str]) -> None:
         """`touch` each of `keys` present, in this order (the last ends most recently used)."""
-        with self._lock:
+        with self.lock:
             for key in keys:
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
 
     def contains(self, key: str) -> bool:
         """Presence check that does not touch LRU order or hit counters."""
-        with self._lock:
+        with self.lock:
             return key in self._blocks
 
     def can_hold(self, nbytes: int) -> bool:
@@ -113,7 +109,7 @@ class HotTier:
             raise ValueError(f"block {block.key[:12]} holds only part of its tensors")
         size = block.nbytes
         evicted = []
-        with self._lock:
+        with self.lock:
             held = self._blocks.get(block.key)
             if held is not None and (partial or not getattr(held, "partial", False)):
                 self._blocks.move_to_end(block.key)
@@ -167,7 +163,7 @@ class HotTier:
 
     def discard(self, key: str) -> bool:
         """Drop one block (e.g. found inconsistent by the caller)."""
-        with self._lock:
+        with self.lock:
             return self._pop(key) is not None
 
     def _flags(self, block: Any) -> Residency:
@@ -185,14 +181,14 @@ class HotTier:
 
     def discard_fingerprint(self, fingerprint: str) -> int:
         """Drop every block of one model; returns how many were dropped."""
-        with self._lock:
+        with self.lock:
             doomed = [k for k, b in self._blocks.items() if b.fingerprint == fingerprint]
             for k in doomed:
                 self._pop(k)
             return len(doomed)
 
     def clear(self) -> None:
-        with self._lock:
+        with self.lock:
             for key in list(self._blocks):
                 self._pop(key)
 
@@ -201,7 +197,7 @@ class HotTier:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         evicted = []
-        with self._lock:
+        with self.lock:
             self._max_bytes = int(max_bytes)
             while self._blocks and self._bytes > self._max_bytes:
                 self._evictions += 1
@@ -212,7 +208,7 @@ class HotTier:
         """Evict least recently used blocks (to `on_evict`) until `nbytes` are freed or none
         is left; the bytes freed."""
         evicted, freed = [], 0
-        with self._lock:
+        with self.lock:
             while self._blocks and freed < nbytes:
                 old_key = next(iter(self._blocks))
                 freed += self._sizes[old_key]
@@ -226,7 +222,7 @@ class HotTier:
         return self._bytes
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
+        with self.lock:
             return {
                 "blocks": len(self._blocks),
                 "bytes": self._bytes,

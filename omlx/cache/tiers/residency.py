@@ -1,6 +1,6 @@
-"""Where each block is: one `Residency` per key (`CacheStore.residency`) in one `BlockDirectory`
-under one lock, the tiers recording theirs (hot HOT and KV_ONLY, RAM RAM: `HotTier.join`; the SSD
-tier WRITING and SSD); callers deciding on several states hold `lock` (reentrant)."""
+"""Where each block is: one `Residency` per key (`Tiers.residency`) in one `BlockDirectory` under
+the tiers' lock, the tiers recording theirs (device memory HOT and KV_ONLY, RAM RAM, the SSD tier
+WRITING and SSD); callers deciding on several states hold `lock` (reentrant). docs/design/cache-threads.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.block import CacheBlock
 
 
 class Residency(enum.Flag):
@@ -25,27 +25,25 @@ class Residency(enum.Flag):
     SSD = enum.auto()  # a file of the SSD tier
     UNWRITTEN = enum.auto()  # stored, waits in device memory to be handed to the SSD writer
     EVICTED = enum.auto()  # unwritten, let go by the hot tier before it could be handed over
-    LEAVING = enum.auto()  # let go by the hot tier, waits in device memory for its copy to RAM
-    STAGED = enum.auto()  # read ahead from the SSD (host bytes) for the next lookup
+    DEMOTING = enum.auto()  # let go by the hot tier, waits in device memory for its copy to RAM
 
 
-ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.LEAVING  # device memory holds it
+ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.DEMOTING  # device memory holds it
 SSD_STATES = Residency.WRITING | Residency.SSD  # the SSD tier's, recorded by it (`SSDTier`, `SSDIndex`)
-HOT_STATES = Residency.HOT | Residency.KV_ONLY  # the hot tier's, recorded by it (`HotTier.join`)
+HOT_STATES = Residency.HOT | Residency.KV_ONLY  # device memory's, recorded by its `MemoryTier`
 TIER_STATES = HOT_STATES | Residency.RAM | SSD_STATES  # recorded by the tiers (`mark`), dropped by their `clear`
 
 
 @dataclass(slots=True)
 class _Entry:
     state: Residency
-    block: CacheBlock | None = None  # the device copy (UNWRITTEN, LEAVING)
-    staged: HostBlock | None = None  # the bytes read ahead (STAGED)
-    generation: int = 0  # of the store when it began to leave (LEAVING)
+    block: CacheBlock | None = None  # the device copy (UNWRITTEN, DEMOTING)
+    generation: int = 0  # of the directory when it began to wait for its copy to RAM (DEMOTING)
 
 
 class BlockDirectory:
-    """Each key's `Residency` and what it holds, with the orders the waits are served in
-    (unwritten: per model, oldest stored first; leaving: oldest let go first)."""
+    """Each key's `Residency` and what it holds, with the orders the waits are served in (unwritten:
+    per model, oldest stored first; demoting: oldest let go first), under `lock` (its own if not given)."""
 
     def __init__(self, lock: threading.RLock | None = None) -> None:
         self.lock = lock if lock is not None else threading.RLock()
@@ -53,9 +51,9 @@ class BlockDirectory:
         self._unwritten: dict[str, OrderedDict[str, None]] = {}  # fingerprint -> keys
         self._unwritten_bytes: dict[str, int] = {}
         self._evicted: dict[str, int] = {}  # fingerprint -> its unwritten blocks marked EVICTED
-        self._leaving: OrderedDict[str, None] = OrderedDict()
-        self.leaving_bytes = 0
-        self._staged: set[str] = set()
+        self._demoting: OrderedDict[str, None] = OrderedDict()
+        self.demoting_bytes = 0
+        self.generation = 0  # bumped by `clear`: what was stored or let go before it is not written or copied
 
     def state(self, key: str) -> Residency:
         with self.lock:
@@ -65,11 +63,11 @@ class BlockDirectory:
     def held(self, keys: list[str]) -> set[str]:
         """Those of `keys` with any state here (one lock for all: a tail search asks of ~a block's worth)."""
         with self.lock:
-            return {k for k in keys if k in self._entries or k in self._staged}
+            return {k for k in keys if k in self._entries}
 
     def on_device(self, key: str) -> bool:
-        """Whether device memory holds the block outside the hot tier (unwritten or leaving)."""
-        return bool(self.state(key) & (Residency.UNWRITTEN | Residency.LEAVING))
+        """Whether device memory holds the block outside the hot tier (unwritten or demoting)."""
+        return bool(self.state(key) & (Residency.UNWRITTEN | Residency.DEMOTING))
 
     def _set(self, key: str, state: Residency, **fields: object) -> _Entry:
         """Add `state` to `key`'s (caller holds the lock)."""
@@ -156,7 +154,7 @@ class BlockDirectory:
             if entry.state & Residency.EVICTED:
                 self._evicted[block.fingerprint] -= 1
             self._unset(block.key, Residency.UNWRITTEN | Residency.EVICTED)
-            if not entry.state & Residency.LEAVING:
+            if not entry.state & Residency.DEMOTING:
                 entry.block = None
             keys = self._unwritten[block.fingerprint]
             del keys[block.key]
@@ -176,85 +174,60 @@ class BlockDirectory:
                 self.take_unwritten(block)
             return len(keys)
 
-    # ----- waiting for the copy to RAM (`CacheStore.demote`) ---------------------------
-    def leave(self, block: CacheBlock, generation: int) -> bool:
+    # ----- waiting for the copy to RAM (`Demotion`) -------------------------------------
+    def demote_later(self, block: CacheBlock) -> bool:
         """`block` waits in device memory for its copy to RAM; False (refreshed in the order)
         when it waited already."""
         with self.lock:
-            if self.state(block.key) & Residency.LEAVING:
-                self._leaving.move_to_end(block.key)
+            if self.state(block.key) & Residency.DEMOTING:
+                self._demoting.move_to_end(block.key)
                 return False
-            entry = self._set(block.key, Residency.LEAVING, generation=generation)
+            entry = self._set(block.key, Residency.DEMOTING, generation=self.generation)
             if entry.block is None:
                 entry.block = block
-            self._leaving[block.key] = None
-            self.leaving_bytes += block.nbytes
+            self._demoting[block.key] = None
+            self.demoting_bytes += block.nbytes
             return True
 
-    def is_leaving(self, key: str) -> bool:
-        return bool(self.state(key) & Residency.LEAVING)
+    def is_demoting(self, key: str) -> bool:
+        return bool(self.state(key) & Residency.DEMOTING)
 
     def reclaim(self, key: str) -> tuple[CacheBlock | None, int]:
         """A block waiting for its copy to RAM, taken back (no copy is needed now), with the
-        store's generation when it began to leave; (None, 0) when it did not wait."""
+        directory's generation when it began to wait; (None, 0) when it did not wait."""
         with self.lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.state & Residency.LEAVING:
+            if entry is None or not entry.state & Residency.DEMOTING:
                 return None, 0
             block, generation = entry.block, entry.generation
-            self._unset(key, Residency.LEAVING)
+            self._unset(key, Residency.DEMOTING)
             if not entry.state & Residency.UNWRITTEN:
                 entry.block = None
-            del self._leaving[key]
+            del self._demoting[key]
             assert block is not None
-            self.leaving_bytes -= block.nbytes
+            self.demoting_bytes -= block.nbytes
             return block, generation
 
-    def oldest_leaving(self, fingerprint: str) -> CacheBlock | None:
-        """That model's block that began to leave first, or None."""
+    def oldest_demoting(self, fingerprint: str) -> CacheBlock | None:
+        """That model's block that began to wait for its copy to RAM first, or None."""
         with self.lock:
-            for key in self._leaving:
+            for key in self._demoting:
                 block = self._entries[key].block
                 if block is not None and block.fingerprint == fingerprint:
                     return block
             return None
 
-    def any_leaving(self) -> bool:
+    def any_demoting(self) -> bool:
         with self.lock:
-            return bool(self._leaving)
+            return bool(self._demoting)
 
-    def leaving_blocks(self) -> Iterator[CacheBlock]:
+    def demoting_blocks(self) -> Iterator[CacheBlock]:
         """The blocks waiting for their copy to RAM (a snapshot)."""
         with self.lock:
-            blocks = [self._entries[key].block for key in self._leaving]
+            blocks = [self._entries[key].block for key in self._demoting]
         return iter([b for b in blocks if b is not None])
 
-    # ----- read ahead for the next lookup (`PrefixCache.take`) -------------------------
-    def stage(self, held: HostBlock) -> None:
-        with self.lock:
-            self._set(held.key, Residency.STAGED, staged=held)
-            self._staged.add(held.key)
-
-    def is_staged(self, key: str) -> bool:
-        return bool(self.state(key) & Residency.STAGED)
-
-    def unstage(self, key: str) -> HostBlock | None:
-        """The bytes read ahead for `key`, no longer staged; None when none were."""
-        with self.lock:
-            entry = self._unset(key, Residency.STAGED)
-            if entry is None:
-                return None
-            self._staged.discard(key)
-            held, entry.staged = entry.staged, None
-            return held
-
-    def unstage_all(self, fingerprint: str) -> None:
-        """What was read ahead for that model and not used goes."""
-        with self.lock:
-            for key in [k for k in self._staged if self._entries[k].staged.fingerprint == fingerprint]:  # type: ignore[union-attr]
-                self.unstage(key)
-
-    # ----- the tiers' states (`HotTier`: HOT, KV_ONLY, RAM; `SSDTier`: WRITING; `SSDIndex`: SSD) -----
+    # ----- the tiers' states (`MemoryTier`: HOT, KV_ONLY, RAM; `SSDTier`: WRITING; `SSDIndex`: SSD) -----
     def mark(self, key: str, state: Residency) -> None:
         """Add one of the tiers' states (`TIER_STATES`) to `key`'s."""
         assert not state & ~TIER_STATES, state
@@ -271,9 +244,10 @@ class BlockDirectory:
             return {key for key, entry in self._entries.items() if entry.state & state}
 
     def clear(self) -> None:
-        """Nothing waits any more (`CacheStore.clear`); the tiers' states stay, for their own
-        `clear` to drop (the SSD tier's with its files)."""
+        """Nothing waits any more (`Tiers.clear`), and the generation moves on; the tiers' states
+        stay, for their own `clear` to drop (the SSD tier's with its files)."""
         with self.lock:
+            self.generation += 1
             for key in list(self._entries):
                 if not self._entries[key].state & TIER_STATES:
                     del self._entries[key]
@@ -282,6 +256,5 @@ class BlockDirectory:
             self._unwritten.clear()
             self._unwritten_bytes.clear()
             self._evicted.clear()
-            self._leaving.clear()
-            self._staged.clear()
-            self.leaving_bytes = 0
+            self._demoting.clear()
+            self.demoting_bytes = 0

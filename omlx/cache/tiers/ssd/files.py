@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from omlx.cache.ssd_format import SUFFIX, TMP_MARK, CorruptBlockFile, is_key, read_header
+from omlx.cache.tiers.ssd.format import SUFFIX, TMP_MARK, CorruptBlockFile, is_key, read_header
 
-log = logging.getLogger("omlx.cache.ssd_tier")
+log = logging.getLogger("omlx.cache.tiers.ssd.tier")
 
 _HEX = frozenset("0123456789abcdef")
 

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from omlx.cache.residency import BlockDirectory, Residency
+from omlx.cache.tiers.residency import BlockDirectory, Residency
 
 
 @dataclass

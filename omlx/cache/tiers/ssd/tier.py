@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from omlx.cache.block import CacheBlock, HostBlock, HostTensors
-from omlx.cache.residency import BlockDirectory, Residency
-from omlx.cache.ssd_files import (
+from omlx.cache.tiers.residency import BlockDirectory, Residency
+from omlx.cache.tiers.ssd.files import (
     fsync_dir,
     looks_like_io_error,
     lower_thread_priority,
     scan_files,
     unlink,
 )
-from omlx.cache.ssd_format import (
+from omlx.cache.tiers.ssd.format import (
     ALL,
     FORMAT_VERSION,
     SUFFIX,
@@ -36,8 +36,8 @@ from omlx.cache.ssd_format import (
     read_header,
     serialized,
 )
-from omlx.cache.ssd_index import SSDIndex
-from omlx.cache.ssd_reads import ReadPools, TimedRead
+from omlx.cache.tiers.ssd.index import SSDIndex
+from omlx.cache.tiers.ssd.reads import ReadPools, TimedRead
 
 __all__ = ["SSDTier", "TimedRead", "FORMAT_VERSION", "read_header", "CorruptBlockFile"]
 
@@ -49,30 +49,30 @@ _tmp_counter = itertools.count()  # process-wide, so two tiers never pick the sa
 
 
 class SSDTier:
-    """Persistent block store under `cache_dir` with an LRU byte budget (0: off, nothing touched).
+    """Persistent block store under `folder` with an LRU byte budget (0: off, nothing touched).
     The index is rebuilt from file headers on the writer thread; until then lookups ask the file
     system. One `SSDTier` per directory per process."""
 
     def __init__(
         self,
-        cache_dir: Path,
+        folder: Path,
         max_bytes: int,
         *,
         write_queue_max: int = 256,
         read_workers: int = 4,
         directory: BlockDirectory | None = None,
     ) -> None:
+        """`directory`: where each block's WRITING and SSD are kept, under its lock (the tiers', which
+        also guards this tier's index and counters; never held across file I/O); its own if not given."""
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self._dir = Path(cache_dir)
+        self.folder = Path(folder)
         self._max_bytes = int(max_bytes)
         self._reads = ReadPools(read_workers)
-        # each block's WRITING and SSD are kept in this directory (a `CacheStore` adopts it), and
-        # its lock guards the index and counters too; never held across file I/O
-        self.block_directory = directory if directory is not None else BlockDirectory()
-        self._lock = self.block_directory.lock
+        self.directory = directory if directory is not None else BlockDirectory()
+        self._lock = self.directory.lock
         self._io_lock = threading.Lock()  # one writer of files at a time (writer vs clear)
-        self._index = SSDIndex(self.block_directory)
+        self._index = SSDIndex(self.directory)
         self._ready = threading.Event()
         self._scan_removed: set[str] = set()
         self._queue: queue.Queue[CacheBlock | None] = queue.Queue(maxsize=max(1, write_queue_max))
@@ -86,7 +86,7 @@ class SSDTier:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._thread: threading.Thread | None = None
         if self._max_bytes > 0:
-            self._dir.mkdir(parents=True, exist_ok=True)
+            self.folder.mkdir(parents=True, exist_ok=True)
             self._thread = threading.Thread(target=self._run, name="omlx-ssd-writer", daemon=True)
             self._thread.start()
         else:
@@ -104,10 +104,6 @@ class SSDTier:
         return self._reads.workers
 
     @property
-    def cache_dir(self) -> Path:
-        return self._dir
-
-    @property
     def max_bytes(self) -> int:
         return self._max_bytes
 
@@ -115,13 +111,9 @@ class SSDTier:
     def writes_disabled(self) -> bool:
         return self._writes_disabled
 
-    @property
-    def directory(self) -> Path:
-        return self._dir
-
     def path_for(self, key: str) -> Path:
         """Where the block ``key`` lives (whether or not it exists)."""
-        return self._dir / key[:2] / f"{key}{SUFFIX}"
+        return self.folder / key[:2] / f"{key}{SUFFIX}"
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the start-up index rebuild; True when it is done."""
@@ -243,7 +235,7 @@ class SSDTier:
 
     def writing(self, key: str) -> bool:
         """Whether `key` is queued or being written (its bytes are still to be read)."""
-        return bool(self.block_directory.state(key) & Residency.WRITING)
+        return bool(self.directory.state(key) & Residency.WRITING)
 
     def has_room(self) -> bool:
         """Whether the write queue is under half full: callers that can hold blocks back
@@ -262,12 +254,12 @@ class SSDTier:
             if self._writes_disabled:
                 self._counters["dropped_writes"] += 1
                 return False
-            if self.block_directory.state(block.key) & (Residency.SSD | Residency.WRITING):  # indexed or pending
+            if self.directory.state(block.key) & (Residency.SSD | Residency.WRITING):  # indexed or pending
                 return False
             if block.nbytes > self._max_bytes:
                 self._counters["dropped_writes"] += 1
                 return False
-            self.block_directory.mark(block.key, Residency.WRITING)
+            self.directory.mark(block.key, Residency.WRITING)
             self._inflight += 1
         # the only MLX work of a write, on the caller's thread
         item = block if isinstance(block, HostBlock) else HostBlock.of(block, copy=False)
@@ -275,7 +267,7 @@ class SSDTier:
             self._queue.put_nowait(item)
         except queue.Full:
             with self._lock:
-                self.block_directory.unmark(block.key, Residency.WRITING)
+                self.directory.unmark(block.key, Residency.WRITING)
                 self._counters["dropped_writes"] += 1
                 self._done_one()
             return False
@@ -340,7 +332,7 @@ class SSDTier:
                     "SSD cache: writing block %s to %s failed (%s); SSD cache writes are "
                     "disabled until restart, reads continue",
                     key[:12],
-                    self._dir,
+                    self.folder,
                     exc,
                 )
             self._drain_queue(count_as_dropped=True)
@@ -357,7 +349,7 @@ class SSDTier:
                 self._queue.put_nowait(None)
                 return
             with self._lock:
-                self.block_directory.unmark(item.key, Residency.WRITING)
+                self.directory.unmark(item.key, Residency.WRITING)
                 if count_as_dropped:
                     self._counters["dropped_writes"] += 1
                 self._done_one()
@@ -401,10 +393,10 @@ class SSDTier:
             log.info(
                 "SSD cache: index of %s loaded: %d blocks (%d bytes); %d unreadable files discarded, "
                 "%d stale temp files removed",
-                self._dir, blocks, nbytes, discarded, stale,
+                self.folder, blocks, nbytes, discarded, stale,
             )  # fmt: skip
         except Exception:  # noqa: BLE001 - a failed scan leaves an empty index, not a crash
-            log.exception("SSD cache: index rebuild of %s failed", self._dir)
+            log.exception("SSD cache: index rebuild of %s failed", self.folder)
         finally:
             self._ready.set()
         while True:
@@ -418,13 +410,13 @@ class SSDTier:
                 log.exception("SSD cache: writer error")
             finally:
                 with self._lock:
-                    self.block_directory.unmark(block.key, Residency.WRITING)
+                    self.directory.unmark(block.key, Residency.WRITING)
                     self._done_one()
             del block  # its bytes go now, not when the next block comes (an engine empties MLX's cache)
 
     def _scan(self) -> None:
         """Rebuild the index from file headers (no tensor data is read)."""
-        found = scan_files(self._dir, self._count_stale_tmp, self._discard)
+        found = scan_files(self.folder, self._count_stale_tmp, self._discard)
         with self._lock:
             self._index.rebuild(found, self._scan_removed)
             self._scan_removed.clear()
@@ -457,7 +449,7 @@ class SSDTier:
             self._drain_queue(count_as_dropped=False)
             with self._lock:
                 self._index.clear()
-            for sub in os.scandir(self._dir):
+            for sub in os.scandir(self.folder):
                 if not (sub.is_dir(follow_symlinks=False) and len(sub.name) == 2):
                     continue
                 for ent in os.scandir(sub.path):

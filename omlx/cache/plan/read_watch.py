@@ -1,6 +1,6 @@
-"""A read-ahead's SSD reads judged again while they run, and cut short once the rest would restore
-slower than it recomputes (docs/design/restore-or-recompute.md, "When the estimate is wrong").
-Numbers and futures, no MLX; any thread."""
+"""A read-ahead's SSD reads judged again while they run, by the plan's own estimate and
+`decide.keeps_reading`, and cut short once the rest would restore slower than it recomputes
+(docs/design/restore-or-recompute.md, "When the estimate is wrong"). No MLX; any thread."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+from omlx.cache.plan.decide import keeps_reading
 
 # Once this share of recomputing the whole run has passed, the reads are judged on whatever has
 # finished (nothing finished: the disk is stalled), so a wrong estimate costs at most about this
@@ -101,7 +103,7 @@ class ReadWatch:
             return elapsed > 0
         rest = left * self.block_bytes
         seconds = rest * elapsed / nbytes + (rest / self.upload_rate if self.upload_rate else 0.0)
-        return seconds > self.recompute_rest[min(kept, len(self.recompute_rest) - 1)]
+        return not keeps_reading(seconds, self.recompute_rest[min(kept, len(self.recompute_rest) - 1)])
 
     def close(self) -> None:
         """Stop the deadline's timer (the read-ahead was taken or dropped)."""

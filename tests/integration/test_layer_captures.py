@@ -14,12 +14,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.cache.block_hash import model_fingerprint
 from omlx.cache.cache_kinds import model_kinds
-from omlx.cache.hot_tier import HotTier
 from omlx.cache.interface import NoCache
 from omlx.cache.prefix_cache import PrefixCache
-from omlx.cache.store import CacheStore
-from omlx.engine.layer_captures import Captures, captures_states
+from omlx.engine.layer_captures import Captures
 from omlx.engine.solo import SoloSequence
+from tests.support.cache_parts import make_tiers
 from tests.support.tiny_kinds import ARCHS, build_tiny_arch
 
 B = 16
@@ -28,7 +27,7 @@ B = 16
 def prefix_cache(model) -> PrefixCache:
     kinds, _ = model_kinds(model)
     fp = model_fingerprint("tiny", "w", "float32", kinds.kv_format(), B)
-    return PrefixCache(CacheStore(HotTier(1 << 30), None, B), fp, len(kinds.leaves), "tiny", kinds=kinds)
+    return PrefixCache(make_tiers(B, 1 << 30), fp, len(kinds.leaves), "tiny", kinds=kinds)
 
 
 @pytest.fixture(scope="module", params=["gpt_oss", "mamba2"])
@@ -43,9 +42,9 @@ def arrays(state) -> list[mx.array]:
 
 def test_chunks_end_on_capture_points_and_states_are_taken_there_and_at_block_ends(model) -> None:
     pc = prefix_cache(model)
-    assert captures_states(pc) and not captures_states(NoCache())
+    assert pc.blocks.captures_states and not NoCache().blocks.captures_states
     prompt = [(7 * i) % 500 + 3 for i in range(3 * B + 5)]
-    captures = Captures(pc, len(prompt), 0)
+    captures = Captures(pc.blocks, len(prompt), 0)
     assert captures.points == [B, 2 * B, 3 * B]
     seq = SoloSequence(
         model, prompt, cache=None, cached=[], sampler=None, logits_processors=[], prefill_step_size=40, captures=captures
@@ -62,13 +61,13 @@ def test_chunks_end_on_capture_points_and_states_are_taken_there_and_at_block_en
     # of a recurrent scan cut into other chunks)
     alone = make_prompt_cache(model)
     model(mx.array([prompt[: 2 * B]]), cache=alone)
-    for got, want in zip(arrays(captures.states[2 * B]), arrays(pc.snapshot(alone)), strict=True):
+    for got, want in zip(arrays(captures.states[2 * B]), arrays(pc.blocks.snapshot(alone)), strict=True):
         assert mx.allclose(got, want, atol=1e-5).item()
 
 
 def test_a_plain_kv_model_captures_nothing(tiny_model_dir: Path) -> None:
     model = mlx_lm.load(str(tiny_model_dir / "tiny-llama"))[0]
     kinds, _ = model_kinds(model)
-    store = CacheStore(HotTier(1 << 30), None, B)
+    store = make_tiers(B, 1 << 30)
     pc = PrefixCache(store, model_fingerprint("t", "w", "float32", kinds.kv_format(), B), len(kinds.leaves), "t", kinds=kinds)
-    assert not captures_states(pc) and Captures(pc, 5 * B, 0).points == []
+    assert not pc.blocks.captures_states and Captures(pc.blocks, 5 * B, 0).points == []
