@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from omlx.cache.cache_kinds import CacheKinds
+from omlx.cache.block.kinds import CacheKinds
 from omlx.cache.loader.loading import Loading
 from omlx.cache.plan.restore_plan import RestorePlan
 
@@ -47,7 +47,7 @@ class BlockSpec:
         batch cache), for `store(boundary_states={length: snapshot})`; None: nothing to capture."""
         if not self.captures_states:
             return None
-        from omlx.cache import layer_states  # MLX: only where a model has such layers
+        from omlx.cache.block import layer_states  # MLX: only where a model has such layers
 
         return layer_states.snapshot(self.kinds, cache, row)
 

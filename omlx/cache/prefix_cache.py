@@ -11,21 +11,21 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx.cache.block_hash import model_fingerprint, weights_digest
-from omlx.cache.cache_kinds import CacheKinds, flatten, model_kinds
-from omlx.cache.cost_file import CostFile
+from omlx.cache.block.hashing import model_fingerprint, weights_digest
+from omlx.cache.block.kinds import CacheKinds, flatten, model_kinds
 from omlx.cache.interface import BlockSpec, Fit, NoCache, PrefixCacheInterface
 from omlx.cache.loader.idle_probe import IdleProbe
 from omlx.cache.loader.loader import Loader
 from omlx.cache.loader.loading import Loading
 from omlx.cache.model_shapes import attention_ratio
+from omlx.cache.plan.cost_file import CostFile
 from omlx.cache.plan.planner import Planner
+from omlx.cache.plan.restore_model import RestoreModel
 from omlx.cache.plan.restore_plan import RestorePlan
-from omlx.cache.restore_model import RestoreModel
+from omlx.cache.plan.tail_index import TailIndex
 from omlx.cache.saver.blocks import BlockCutter
 from omlx.cache.saver.saver import Saver
 from omlx.cache.saver.write_back import WriteBack
-from omlx.cache.tail_index import TailIndex
 from omlx.cache.tiers.tiers import Tiers
 
 log = logging.getLogger("omlx.cache")
@@ -168,7 +168,7 @@ def make_prefix_cache(
         log.warning("model %s is served without the prefix cache: %s", loaded.info.id, reason)
         return NoCache()
     block_size = (stateful_block_size if kinds.stateful else 0) or tiers.block_size
-    fp = model_fingerprint(
+    fingerprint = model_fingerprint(
         loaded.info.id, weights_digest(loaded.info.path), loaded.compute_dtype, kinds.kv_format(), block_size
     )
     try:
@@ -176,4 +176,4 @@ def make_prefix_cache(
     except (AttributeError, TypeError, ValueError, KeyError):  # a prior for an estimate: never worth failing a load over
         log.warning("model %s: attention's share of the prefill cost not read from its shapes", loaded.info.id)
         attention = None
-    return PrefixCache(tiers, fp, len(kinds.leaves), loaded.info.id, attention=attention, kinds=kinds, block_size=block_size)
+    return PrefixCache(tiers, fingerprint, len(kinds.leaves), loaded.info.id, attention=attention, kinds=kinds, block_size=block_size)

@@ -17,8 +17,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from omlx.cache.block.kv_layout import kv_bytes_per_token
 from omlx.cache.interface import NoCache, PrefixCacheInterface
-from omlx.cache.kv_layout import kv_bytes_per_token
 from omlx.engine import activity
 from omlx.engine.bridge import Bridge
 from omlx.engine.config import EngineConfig

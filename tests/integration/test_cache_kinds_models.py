@@ -15,8 +15,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from omlx.cache.block_hash import model_fingerprint
-from omlx.cache.cache_kinds import cache_kinds, flatten, model_kinds
+from omlx.cache.block.hashing import model_fingerprint
+from omlx.cache.block.kinds import cache_kinds, flatten, model_kinds
 from omlx.cache.interface import NoCache
 from omlx.cache.plan import decide
 from omlx.cache.prefix_cache import PrefixCache, make_prefix_cache
@@ -218,7 +218,7 @@ def test_a_first_ssd_restore_probed_on_part_of_its_run_still_equals_the_miss(mod
 
 
 def test_kv_bytes_per_token_counts_the_kv_leaves_alone(model) -> None:
-    from omlx.cache.kv_layout import kv_bytes_per_token
+    from omlx.cache.block.kv_layout import kv_bytes_per_token
 
     kinds, _ = model_kinds(model)
     kv_leaves = sum(k.kind == "kv" for k in kinds.leaves)
@@ -298,7 +298,7 @@ def stored_then_restarted(model: Any, tmp_path: Path, tokens: list[int]) -> tupl
 
 
 def test_an_ssd_restore_reads_the_state_of_its_last_block_alone(model, tmp_path: Path, monkeypatch) -> None:
-    from omlx.cache.block_hash import block_keys
+    from omlx.cache.block.hashing import block_keys
     from tests.unit.test_cache_kinds_format import flip, header
 
     tokens = prompt(15, 4 * B + 9)
@@ -332,8 +332,8 @@ def test_an_ssd_restore_reads_the_state_of_its_last_block_alone(model, tmp_path:
 
 
 def test_a_ram_restore_copies_the_state_of_its_last_block_alone(model, monkeypatch) -> None:
-    from omlx.cache import block as block_module
-    from omlx.cache.block_hash import block_keys
+    from omlx.cache.block import block as block_module
+    from omlx.cache.block.hashing import block_keys
 
     store, pc, tokens, _ = pushed_out_to_ram(model, 17, 4 * B + 9)
     assert store.ram.stats()["blocks"] == 5
@@ -365,7 +365,7 @@ def hit_then_store(model: Any, pc: PrefixCache, tokens: list[int]) -> tuple[list
 
 
 def test_after_an_ssd_restore_the_next_turns_are_hot_hits(model, tmp_path: Path, monkeypatch) -> None:
-    from omlx.cache.block_hash import block_keys
+    from omlx.cache.block.hashing import block_keys
     from omlx.cache.tiers.residency import Residency
 
     tokens = prompt(21, 4 * B + 9)
@@ -395,7 +395,7 @@ def test_after_an_ssd_restore_the_next_turns_are_hot_hits(model, tmp_path: Path,
 
 
 def test_kv_only_copies_let_go_by_the_hot_tier_reach_neither_ram_nor_the_ssd(model, tmp_path: Path, monkeypatch) -> None:
-    from omlx.cache.block_hash import block_keys
+    from omlx.cache.block.hashing import block_keys
     from omlx.cache.tiers.residency import Residency
 
     tokens = prompt(24, 4 * B + 9)
@@ -423,7 +423,7 @@ def test_kv_only_copies_let_go_by_the_hot_tier_reach_neither_ram_nor_the_ssd(mod
 
 
 def test_without_the_last_block_s_state_the_restore_ends_a_block_earlier_then_a_store_upgrades_it(model, tmp_path: Path) -> None:
-    from omlx.cache.block_hash import block_keys
+    from omlx.cache.block.hashing import block_keys
     from tests.unit.test_cache_kinds_format import flip, header
 
     tokens = prompt(26, 4 * B + 9)
@@ -448,7 +448,7 @@ def test_only_models_with_layer_states_read_a_restore_by_part() -> None:
     # whole blocks as a plain-KV model's do, and RAM runs may move
     from mlx_lm.models.cache import CacheList
 
-    from omlx.cache.cache_kinds import cache_kinds
+    from omlx.cache.block.kinds import cache_kinds
 
     store = make_tiers(16, 1 << 20)
     kv_pairs, _ = cache_kinds([CacheList(KVCache(), KVCache()) for _ in range(2)])

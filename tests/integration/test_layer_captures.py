@@ -12,8 +12,8 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx.cache.block_hash import model_fingerprint
-from omlx.cache.cache_kinds import model_kinds
+from omlx.cache.block.hashing import model_fingerprint
+from omlx.cache.block.kinds import model_kinds
 from omlx.cache.interface import NoCache
 from omlx.cache.prefix_cache import PrefixCache
 from omlx.engine.layer_captures import Captures

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omlx.cache.block import CacheBlock
+from omlx.cache.block.block import CacheBlock
 from omlx.cache.tiers.ssd.tier import SSDTier
 
 

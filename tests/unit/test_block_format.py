@@ -18,10 +18,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 import omlx.cache.saver.blocks as block_cutter
-from omlx.cache import kv_layout
-from omlx.cache.block import packed_on_host, staged_on_host
-from omlx.cache.block_hash import block_keys
-from omlx.cache.kv_layout import KV_STACK, join_blocks
+from omlx.cache.block import kv_layout
+from omlx.cache.block.block import packed_on_host, staged_on_host
+from omlx.cache.block.hashing import block_keys
+from omlx.cache.block.kv_layout import KV_STACK, join_blocks
 from omlx.cache.prefix_cache import PrefixCache
 from tests.support.cache_parts import make_tiers, restore
 

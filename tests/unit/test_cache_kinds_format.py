@@ -20,11 +20,11 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from omlx.cache.block import CacheBlock, HostBlock, checksum_host
-from omlx.cache.cache_kinds import cache_kinds, flatten, regroup
+from omlx.cache.block.block import CacheBlock, HostBlock, checksum_host
+from omlx.cache.block.kinds import cache_kinds, flatten, regroup
 from omlx.cache.plan import decide
+from omlx.cache.plan.restore_model import RestoreModel
 from omlx.cache.prefix_cache import PrefixCache
-from omlx.cache.restore_model import RestoreModel
 from omlx.cache.tiers.ssd import format as ssd_format
 from omlx.cache.tiers.ssd.tier import SSDTier
 from tests.support.cache_parts import make_tiers
@@ -258,7 +258,7 @@ def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
 @pytest.mark.parametrize("keep", [0, 2])
 @pytest.mark.parametrize("steps", [[5], [12], [5, 1, 1, 1, 1, 1, 1, 1], [12, 1, 1, 7, 1]])
 def test_a_window_restored_in_order_goes_on_as_the_original(keep: int, steps: list[int]) -> None:
-    from omlx.cache.layer_states import window_in_order
+    from omlx.cache.block.layer_states import window_in_order
 
     kinds, _ = cache_kinds([RotatingKVCache(max_size=8, keep=keep)])
     original = RotatingKVCache(max_size=8, keep=keep)
@@ -273,7 +273,7 @@ def test_a_window_restored_in_order_goes_on_as_the_original(keep: int, steps: li
     keys, values = window_in_order(original)
     assert keys.shape[2] == min(8, sum(steps))
     block = CacheBlock("k" * 64, None, FP, sum(steps), kinds.tags(), {"0.window.keys": keys, "0.window.values": values})
-    from omlx.cache.layer_states import restore
+    from omlx.cache.block.layer_states import restore
 
     (restored,) = restore(kinds, [(block, sum(steps))])
     for n in (1, 1, 6, 1, 9, 1):  # decode steps and chunks: what each attends to stays the same

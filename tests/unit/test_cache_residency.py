@@ -105,7 +105,7 @@ def test_every_state_change_is_under_the_one_lock() -> None:
 def test_a_store_answers_each_block_s_residency_across_its_tiers(tmp_path) -> None:
     import numpy as np
 
-    from omlx.cache.block import HostBlock
+    from omlx.cache.block.block import HostBlock
 
     store = make_tiers(16, 1000, ram_bytes=1000, ssd=tmp_path, ssd_bytes=1 << 20)
     ssd = store.ssd

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.block.block import CacheBlock, HostBlock
 from omlx.cache.tiers.memory_tier import MemoryTier
 from omlx.cache.tiers.residency import SSD_STATES, BlockDirectory, Residency
 from omlx.cache.tiers.ssd.tier import SSDTier

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from omlx.cache.block_hash import block_keys
-from omlx.cache.kv_layout import KV_STACK
+from omlx.cache.block.hashing import block_keys
+from omlx.cache.block.kv_layout import KV_STACK
 from omlx.cache.plan.restore_plan import Tier
 from omlx.cache.prefix_cache import PrefixCache
 from omlx.cache.saver.blocks import BlockCutter
@@ -144,7 +144,7 @@ def test_an_unmeasured_tier_is_probed_up_to_an_eighth_in_growing_groups(tmp_path
 
 def test_a_tier_judged_slower_is_probed_again_after_a_while(tmp_path: Path) -> None:
     # measured once while the disk was busy, the SSD would otherwise never be used again
-    from omlx.cache.restore_model import REPROBE_AFTER
+    from omlx.cache.plan.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -173,7 +173,7 @@ def probe_while_idle(cache: PrefixCache) -> None:
 def test_an_idle_engine_times_the_ssd_so_the_first_request_does_not(tmp_path: Path) -> None:
     # a fresh cache directory's first restore would time a part of the run inside the request
     # (0.09 s of a first TTFT at 8B on an H200); the idle engine before it times it instead
-    from omlx.cache.restore_model import REPROBE_AFTER
+    from omlx.cache.plan.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -281,7 +281,7 @@ def test_a_tail_the_engine_would_drop_is_not_fetched(tmp_path: Path) -> None:
 
 
 def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     cost.observe(8000, 0, 2.0)  # a GPU's first prefill of this shape: kernels compiling
@@ -292,7 +292,7 @@ def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
 
 
 def test_restore_rate_weighs_each_restore_by_its_size() -> None:
-    from omlx.cache.restore_model import Throughput
+    from omlx.cache.plan.restore_model import Throughput
 
     rate = Throughput()
     rate.observe(2e6, 2e6 / 8e9)  # a one-block probe: 8 GB/s
@@ -303,7 +303,7 @@ def test_restore_rate_weighs_each_restore_by_its_size() -> None:
 def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(monkeypatch) -> None:
     """A hot tier too small for a block hands it to RAM; if RAM still holds that block (it was
     just restored from there), it is only refreshed: no second device -> host copy."""
-    from omlx.cache.block import HostBlock
+    from omlx.cache.block.block import HostBlock
 
     cache = PrefixCache(make_tiers(B, 1, ram_bytes=1 << 30), FP, LAYERS, "m")
     warm = cache.tiers.ram
@@ -464,7 +464,7 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle(tmp_path: Path, mon
 
 def counted_host_copies(monkeypatch) -> list[tuple[str, bool]]:
     """(key, copy) of every device -> host view or copy of a block, from here on."""
-    from omlx.cache.block import HostBlock
+    from omlx.cache.block.block import HostBlock
 
     calls: list[tuple[str, bool]] = []
     original = HostBlock.of
@@ -546,7 +546,7 @@ def test_a_run_judged_slower_than_recompute_is_not_fetched_by_the_tail_search() 
 
 
 def test_one_slow_prefill_barely_moves_the_estimate_but_a_lasting_slowdown_does() -> None:
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     for _ in range(5):
@@ -1144,7 +1144,7 @@ def test_an_idle_engine_fits_the_prefill_model_before_the_next_decision(tmp_path
     # the fit of the latest prefills is made while idle, not in the next request's restore
     # decision or when its prefill is observed (the model's prediction of it), both of which
     # add to that request's time to first token
-    from omlx.cache import prefill_cost
+    from omlx.cache.plan import prefill_cost
 
     cache = open_cache(tmp_path)
     fits: list[int] = []
@@ -1219,7 +1219,7 @@ def test_past_the_bound_a_block_leaving_device_memory_goes_to_ram_though_the_ssd
 def test_a_stateful_ssd_run_is_judged_and_charged_with_one_state(tmp_path: Path, monkeypatch) -> None:
     from mlx_lm.models.cache import ArraysCache
 
-    from omlx.cache.cache_kinds import cache_kinds
+    from omlx.cache.block.kinds import cache_kinds
 
     kinds, _ = cache_kinds([KVCache(), ArraysCache(size=1)])
     fp = "e" * 64

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from omlx.cache import cost_file, prefill_cost, restore_model
-from omlx.cache.cost_file import CostFile
-from omlx.cache.plan import decide, read_watch
+from omlx.cache.plan import cost_file, decide, prefill_cost, read_watch, restore_model
+from omlx.cache.plan.cost_file import CostFile
 from omlx.cache.plan.decide import REPROBE_AFTER, RESTORE_MARGIN
+from omlx.cache.plan.prefill_cost import PrefillCost
 from omlx.cache.plan.read_watch import ReadWatch
+from omlx.cache.plan.restore_model import RestoreModel, Throughput
 from omlx.cache.plan.restore_plan import Verdict
-from omlx.cache.prefill_cost import PrefillCost
-from omlx.cache.restore_model import RestoreModel, Throughput
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +36,7 @@ def test_the_model_imports_no_mlx(module) -> None:
 
 
 def test_the_model_loads_in_a_process_without_mlx() -> None:
-    code = "import sys, omlx.cache.restore_model, omlx.cache.cost_file; print([m for m in sys.modules if m.startswith('mlx')])"
+    code = "import sys, omlx.cache.plan.restore_model, omlx.cache.plan.cost_file; print([m for m in sys.modules if m.startswith('mlx')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 

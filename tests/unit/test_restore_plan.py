@@ -7,13 +7,13 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from omlx.cache.block_hash import block_keys, chain_key
+from omlx.cache.block.hashing import block_keys, chain_key
 from omlx.cache.plan import decide
 from omlx.cache.plan.decide import Costs, Rate
 from omlx.cache.plan.planner import AHEAD_MIN_BYTES, Measured, Planner
 from omlx.cache.plan.restore_plan import PrefillEstimate, RestorePlan, Tier
+from omlx.cache.plan.tail_index import TailIndex
 from omlx.cache.plan.tails import MIN_TAIL_ONLY_TOKENS
-from omlx.cache.tail_index import TailIndex
 
 B = 16
 FP = "f" * 64

@@ -743,7 +743,7 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
     # end on multiples of 64 here; a prefix restored to 80 tokens would start with 48 queries
     # over 128 keys, a shape no prefill from the start has. Cut back to 64 while that shape
     # has not been built, the one from 64 has, and recomputing 16 tokens costs less than a build.
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
     from omlx.cache.prefix_cache import PrefixCache
 
     made: list[PrefixCache] = []

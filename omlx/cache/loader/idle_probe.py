@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from omlx.cache.loader.tier_reads import TierReads, use_on_device
-from omlx.cache.restore_model import RestoreModel
+from omlx.cache.plan.restore_model import RestoreModel
 from omlx.cache.tiers.tiers import Tiers
 
 log = logging.getLogger("omlx.cache")

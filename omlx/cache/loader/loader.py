@@ -12,16 +12,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from omlx.cache import layer_states
-from omlx.cache.block import CacheBlock, HostBlock
-from omlx.cache.cache_kinds import CacheKinds
-from omlx.cache.kv_layout import join_blocks
+from omlx.cache.block import layer_states
+from omlx.cache.block.block import CacheBlock, HostBlock
+from omlx.cache.block.kinds import CacheKinds
+from omlx.cache.block.kv_layout import join_blocks
 from omlx.cache.loader.loading import Loading, when_all_done
 from omlx.cache.loader.tier_reads import Charge, Source, TierReads, use_on_device
 from omlx.cache.plan import decide
 from omlx.cache.plan.read_watch import ReadWatch, finished_read
+from omlx.cache.plan.restore_model import RestoreModel, Throughput
 from omlx.cache.plan.restore_plan import RestorePlan, Run, Tier
-from omlx.cache.restore_model import RestoreModel, Throughput
 from omlx.cache.tiers.ssd.format import ALL, KV_PART
 from omlx.cache.tiers.tiers import Tiers
 

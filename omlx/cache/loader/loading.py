@@ -14,7 +14,7 @@ from omlx.cache.plan.read_watch import ReadWatch
 from omlx.cache.plan.restore_plan import RestorePlan
 
 if TYPE_CHECKING:  # no MLX where the scheduler reads it
-    from omlx.cache.block import CacheBlock
+    from omlx.cache.block.block import CacheBlock
 
 
 @dataclass(eq=False)

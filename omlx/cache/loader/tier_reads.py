@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from omlx.cache import layer_states
-from omlx.cache.block import CacheBlock, HostBlock
-from omlx.cache.restore_model import RestoreModel, Throughput
+from omlx.cache.block import layer_states
+from omlx.cache.block.block import CacheBlock, HostBlock
+from omlx.cache.plan.restore_model import RestoreModel, Throughput
 from omlx.cache.tiers.ssd.format import KV_PART, STATE_PART
 from omlx.cache.tiers.tiers import Tiers
 

@@ -8,20 +8,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from omlx.cache.block_hash import block_keys
+from omlx.cache.block.hashing import block_keys
 from omlx.cache.plan import decide
 from omlx.cache.plan.decide import Costs, Rate
 from omlx.cache.plan.restore_plan import RestorePlan, Run, Tier, Verdict
-from omlx.cache.plan.tails import TailView, find_tails
-from omlx.cache.tail_index import TailIndex
+from omlx.cache.plan.tail_index import TailIndex
+from omlx.cache.plan.tails import find_tails
 
 # A slower tier's run of at least this many bytes is made ready ahead of the request's insert (an SSD
 # run read on reader threads, a RAM run moved a chunk per engine loop); smaller ones in line.
 AHEAD_MIN_BYTES = 16 << 20
 
 
-class ChainView(TailView, Protocol):
-    """What the planner reads of the tiers (each answer under the tiers' lock, no file reads once indexed)."""
+class ChainView(Protocol):
+    """What the planner reads of the tiers (each answer under the tiers' lock, no file reads once indexed);
+    it is a `TailView` too."""
+
+    def held(self, keys: list[str]) -> set[str] | None: ...
+
+    def tier_of(self, key: str, fingerprint: str, device_only: bool) -> Tier | None: ...
 
     def on_device(self, key: str) -> bool: ...
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from omlx.cache.block_hash import tail_keys
+from omlx.cache.block.hashing import tail_keys
 from omlx.cache.plan.restore_plan import Tail, Tier
-from omlx.cache.tail_index import TailIndex
+from omlx.cache.plan.tail_index import TailIndex
 
 # A partial block alone is restored only from this many tokens: a few shared tokens (a chat
 # template's header) save no measurable prefill, yet make the request's prompt length differ

@@ -9,10 +9,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from omlx.cache import layer_states
-from omlx.cache.block import CacheBlock
-from omlx.cache.cache_kinds import CacheKinds, flatten
-from omlx.cache.kv_layout import KV_STACK, layer_tensors, stack_group_bytes, stackable
+from omlx.cache.block import layer_states
+from omlx.cache.block.block import CacheBlock
+from omlx.cache.block.kinds import CacheKinds, flatten
+from omlx.cache.block.kv_layout import KV_STACK, layer_tensors, stack_group_bytes, stackable
 
 # (key, parent key or None, first token, end token) of a block to make
 Spec = tuple[str, str | None, int, int]

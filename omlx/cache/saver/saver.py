@@ -9,14 +9,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from omlx.cache import layer_states
-from omlx.cache.block_hash import block_keys, chain_key
-from omlx.cache.cache_kinds import flatten
-from omlx.cache.restore_model import RestoreModel
+from omlx.cache.block import layer_states
+from omlx.cache.block.hashing import block_keys, chain_key
+from omlx.cache.block.kinds import flatten
+from omlx.cache.plan.restore_model import RestoreModel
+from omlx.cache.plan.tail_index import TailIndex
 from omlx.cache.saver import write_back
 from omlx.cache.saver.blocks import BlockCutter, Spec, cache_length, kv_bytes_per_block
 from omlx.cache.saver.write_back import WriteBack
-from omlx.cache.tail_index import TailIndex
 from omlx.cache.tiers.residency import Residency
 from omlx.cache.tiers.tiers import Tiers
 

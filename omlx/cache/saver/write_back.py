@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.block.block import CacheBlock, HostBlock
 from omlx.cache.tiers.tiers import Tiers
 
 log = logging.getLogger("omlx.cache")

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.block.block import CacheBlock, HostBlock
 from omlx.cache.tiers.counters import CopyCounts
 from omlx.cache.tiers.memory_tier import MemoryTier
 from omlx.cache.tiers.residency import BlockDirectory

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from omlx.cache.block import CacheBlock
+from omlx.cache.block.block import CacheBlock
 from omlx.cache.tiers.residency import BlockDirectory, Residency
 
 __all__ = ["MemoryTier"]

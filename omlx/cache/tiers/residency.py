@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from omlx.cache.block import CacheBlock
+from omlx.cache.block.block import CacheBlock
 
 
 class Residency(enum.Flag):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from omlx.cache.block import CacheBlock, HostBlock
+from omlx.cache.block.block import CacheBlock, HostBlock
 from omlx.cache.plan.restore_plan import Tier
 from omlx.cache.tiers.counters import CacheCounters, CopyCounts
 from omlx.cache.tiers.demotion import Demotion

@@ -87,15 +87,15 @@ def looks_like_io_error(exc: BaseException) -> bool:
 
 
 def scan_files(
-    directory: Path, on_stale: Callable[[], None], on_bad: Callable[[str, Path, BaseException], None]
+    folder: Path, on_stale: Callable[[], None], on_bad: Callable[[str, Path, BaseException], None]
 ) -> list[tuple[int, str, int, str]]:
-    """(mtime, key, size, fingerprint) of each whole block file under `directory`, read from
+    """(mtime, key, size, fingerprint) of each whole block file under `folder`, read from
     headers only, oldest first; stale temp files are deleted (`on_stale` after each), bad
     files passed to `on_bad`."""
     found: list[tuple[int, str, int, str]] = []
     own_pid = os.getpid()
     try:
-        subdirs = [e for e in os.scandir(directory) if e.is_dir(follow_symlinks=False)]
+        subdirs = [e for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return found
     for sub in subdirs:

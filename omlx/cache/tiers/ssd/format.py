@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize
 
-from omlx.cache.block import (
+from omlx.cache.block.block import (
     HostBlock,
     HostTensors,
     checksum_host,

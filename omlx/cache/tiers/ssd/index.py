@@ -78,9 +78,9 @@ class SSDIndex:
         """The index of a scan's `found` (oldest first) but `removed`; entries indexed during
         the scan (hits, writes) stay, as the newest."""
         rebuilt: OrderedDict[str, Entry] = OrderedDict()
-        for _mtime, key, size, fp in found:
+        for _mtime, key, size, fingerprint in found:
             if key not in removed:
-                rebuilt[key] = Entry(size, fp)
+                rebuilt[key] = Entry(size, fingerprint)
                 self._directory.mark(key, Residency.SSD)
         for key, entry in self._entries.items():
             rebuilt.pop(key, None)

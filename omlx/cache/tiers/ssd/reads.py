@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from omlx.cache.block import HostBlock
+from omlx.cache.block.block import HostBlock
 
 
 class TimedRead(NamedTuple):

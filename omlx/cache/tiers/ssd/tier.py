@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from omlx.cache.block import CacheBlock, HostBlock, HostTensors
+from omlx.cache.block.block import CacheBlock, HostBlock, HostTensors
 from omlx.cache.tiers.residency import BlockDirectory, Residency
 from omlx.cache.tiers.ssd.files import (
     fsync_dir,

@@ -9,8 +9,8 @@ from typing import Any
 
 from omlx.cache.plan.decide import EXTRAPOLATION, REPROBE_AFTER, Costs, Rate
 from omlx.cache.plan.planner import Measured
+from omlx.cache.plan.prefill_cost import PrefillCost
 from omlx.cache.plan.restore_plan import Verdict
-from omlx.cache.prefill_cost import PrefillCost
 
 log = logging.getLogger("omlx.cache")
 

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-from omlx.cache.restore_model import RestoreModel
+from omlx.cache.plan.restore_model import RestoreModel
 
 log = logging.getLogger("omlx.cache")
 

@@ -9,9 +9,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
-from omlx.cache.block import CacheBlock, is_state_tensor
-from omlx.cache.cache_kinds import ARRAYS, KV, ROTATING, CacheKinds, flatten, regroup
-from omlx.cache.kv_layout import first_tokens, kv_cache
+from omlx.cache.block.block import CacheBlock, is_state_tensor
+from omlx.cache.block.kinds import ARRAYS, KV, ROTATING, CacheKinds, flatten, regroup
+from omlx.cache.block.kv_layout import first_tokens, kv_cache
 
 # A snapshot: tensor name -> array, every stateful leaf's state at one token index
 Snapshot = dict[str, mx.array]

@@ -9,8 +9,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from omlx.cache.block import CacheBlock
-from omlx.cache.cache_kinds import flatten
+from omlx.cache.block.block import CacheBlock
+from omlx.cache.block.kinds import flatten
 
 # A block's tensor holding every layer's keys and values, (2 x layers, heads, tokens, head dim):
 # keys of layer l at 2l, its values at 2l + 1. Blocks of models whose layers differ in shape

@@ -126,14 +126,14 @@ def block_keys(
         raise ValueError(f"block_size must be positive, got {block_size}")
     packed = _pack_tokens(token_ids)
     n_blocks = len(packed) // (4 * block_size)
-    fp = fingerprint.encode("ascii")
+    model = fingerprint.encode("ascii")
     stride = 4 * block_size
     view = memoryview(packed)
     keys: list[str] = []
     parent = _ROOT
     sha256 = hashlib.sha256
     for i in range(n_blocks):
-        h = sha256(fp)
+        h = sha256(model)
         h.update(parent)
         h.update(view[i * stride : (i + 1) * stride])
         if extra_keys:
