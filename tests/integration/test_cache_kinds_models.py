@@ -514,3 +514,36 @@ def test_each_tiny_architecture_loads_with_mlx_lm_and_generates(name: str, tmp_p
     assert kinds is not None and kinds.stateful  # a real mix of kinds, not all KV
     ids = [t for r in mlx_lm.stream_generate(model, tokenizer, "The quick brown fox", max_tokens=8) for t in [r.token]]
     assert len(ids) == 8 and len(set(ids)) > 1  # greedy output that varies
+
+
+# ----- negative control: a wrong restored state must change the output -------------------------
+def next_logits(model: Any, cache: list[Any], tokens: list[int]) -> mx.array:
+    """The logits after feeding `tokens` to `cache` (float32, CPU: compared exactly where they must agree)."""
+    return model(mx.array([tokens]), cache=cache)[0, -1]
+
+
+def test_a_restore_given_the_previous_block_s_state_answers_differently(model, monkeypatch) -> None:
+    # hit == miss means something only if a wrong state shows: restore block n-1's state in place of
+    # block n's (the KV of all n blocks as it should be) and the next logits must differ from the miss's
+    from omlx.cache.block import layer_states
+
+    pc = prefix_cache(model, make_tiers(B, 1 << 30))
+    tokens = prompt(31, 4 * B + 1)  # four whole blocks: the restore ends on block 4's state
+    _, cache, states = miss(model, pc, tokens, n=0)
+    pc.store(tokens[:-1], cache, final=False, boundary_states=states)
+    fresh = make_prompt_cache(model)
+    want = next_logits(model, fresh, tokens)  # from scratch
+    right, cached = restore(pc, tokens)
+    assert cached == 4 * B and mx.allclose(next_logits(model, right, tokens[cached:]), want, atol=1e-4).item()
+    real = layer_states.restore
+
+    def one_block_early(kinds: Any, parts: list[tuple[Any, int]]) -> list[Any]:
+        (last, used), (before, _) = parts[-1], parts[-2]
+        states = {n: t for n, t in before.tensors.items() if ".window." in n or ".arrays." in n}
+        swapped = type(last)(last.key, last.parent, last.fingerprint, last.token_count, last.layer_types, {**last.tensors, **states})
+        return real(kinds, [*parts[:-1], (swapped, used)])
+
+    monkeypatch.setattr(layer_states, "restore", one_block_early)
+    wrong, cached = restore(pc, tokens)
+    assert cached == 4 * B
+    assert not mx.allclose(next_logits(model, wrong, tokens[cached:]), want, atol=1e-4).item()
