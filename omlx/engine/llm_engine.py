@@ -403,7 +403,7 @@ class LLMEngine:
         self._apply(sched.update([out]))
         if state.status is Status.FINISHED:
             return  # that token ended it
-        runner.store_solo_prompt(state)
+        runner.prompts.store_solo_prompt(state)
         runner.join_batch(state, out.token)
         sched.joined_batch(state)
 
@@ -417,9 +417,9 @@ class LLMEngine:
         if plan.solo is not None and plan.solo.status is not Status.FINISHED and self.scheduler.waiting:
             # once its first token is out, for a request that waits (it may share that prompt); else the
             # request's end stores it, not its next tokens (docs/design/write-back.md, "Prompt stores")
-            self.runner.store_solo_prompt(plan.solo)
+            self.runner.prompts.store_solo_prompt(plan.solo)
         for state in result.prompt_stores:
-            self.runner.store_batch_prompt(state)
+            self.runner.prompts.store_batch_prompt(state)
         self.runner.clock.add("cache", PERF() - tic)
         return len(out.tokens)
 
@@ -453,7 +453,7 @@ class LLMEngine:
         state = sched.cancel(request_id)
         if state is None:
             return
-        self.runner.store_computed_prompt(state, due=state in sched.prompt_stores)
+        self.runner.prompts.store_computed_prompt(state, due=state in sched.prompt_stores)
         self.runner.drop(state)
         sched.forget(state)
         self.output.log_finished(state, "cancelled")

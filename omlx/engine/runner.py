@@ -29,7 +29,7 @@ from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent
 from omlx.engine.request_state import RequestState, Status, StepOut, StepPlan, TokenOut
-from omlx.engine.runner_stores import RunnerStores
+from omlx.engine.runner_stores import PromptStores
 from omlx.engine.sampling import (
     Guarded,
     build_logits_processors,
@@ -54,7 +54,7 @@ from omlx.engine.store_queue import StoreQueue
 log = logging.getLogger("omlx.engine")
 
 
-class Runner(RunnerStores):
+class Runner:
     """Runs what the scheduler planned for one loaded model (engine thread only)."""
 
     def __init__(
@@ -83,7 +83,8 @@ class Runner(RunnerStores):
         self.on_restored = on_restored  # a read-ahead's background reads are over
         # the prefill chunks' attention shapes this thread has built graphs for (`onto_built_shapes`)
         self.shapes = PrefillShapes(sdpa_graph_capacity()) if config.track_shapes else None
-        self.stores = StoreQueue(self.store)
+        self.prompts = PromptStores(cache, lambda: self.bg, model_id)  # its stores into the prefix cache
+        self.stores = StoreQueue(self.prompts.store)
         self.batch: dict[int, RequestState] = {}  # BatchGenerator uid -> its request
         self.graph_warmup: GraphWarmup | None = None
         self.buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
@@ -147,17 +148,17 @@ class Runner(RunnerStores):
         for pr in prompt_responses:
             state = self._live(pr.uid)
             if pr.end_of_prompt and state is not None:
-                self._capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
+                self.prompts.capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
                 if single:  # timed alone: not stretched by others' decode steps
                     self.observe_prefill(state)
-                if self.wants_prompt_blocks(state):
+                if self.prompts.wants_prompt_blocks(state):
                     ended.append(state)
         outs = []
         for r in generation_responses:
             state = self._live(r.uid)
             if state is None:
                 continue
-            states = self._capture_in_batch(state, r)
+            states = self.prompts.capture_in_batch(state, r)
             outs.append(TokenOut(state, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens, states))
             if r.finish_reason is not None:
                 del self.batch[r.uid]
@@ -180,7 +181,7 @@ class Runner(RunnerStores):
         if found is not None:
             tokens = list(found[1])
             states = state.captures.with_end(found[0], len(tokens)) if state.captures is not None else None
-            self.stores.add_pending(tokens, found[0], self.store(tokens, found[0], final=True, boundary_states=states), states)
+            self.stores.add_pending(tokens, found[0], self.prompts.store(tokens, found[0], final=True, boundary_states=states), states)
             self.cache.yield_memory((state.prompt_len + state.completion_tokens) * self.budget.bytes_per_token)
 
     def sampling_faults(self, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:
@@ -199,6 +200,15 @@ class Runner(RunnerStores):
 
     def yield_memory(self, nbytes: int) -> int:
         return self.cache.yield_memory(nbytes)
+
+    def cache_tick(self, idle: bool, *, quiet: bool) -> bool:
+        """The prefix cache's background work for this loop (`PrefixCacheInterface.tick`); True
+        while more waits. Caching is an optimisation: a failure is logged, never fails a request."""
+        try:
+            return self.cache.tick(idle, quiet=quiet)
+        except Exception:
+            log.exception("the prefix cache's background work for %s failed", self.model_id)
+            return False
 
     # ----- admission ---------------------------------------------------------------
     def admit(self, state: RequestState, alone: bool) -> Admitted:
@@ -351,7 +361,7 @@ class Runner(RunnerStores):
                 )
                 return None
             self.observe_prefill(state)
-            state.store_prompt = self.wants_prompt_blocks(state)
+            state.store_prompt = self.prompts.wants_prompt_blocks(state)
         # launch the next step unless this token is the last one allowed
         return self.solo_token(state, launch=state.completion_tokens + 1 < state.request.max_tokens)
 
@@ -369,7 +379,7 @@ class Runner(RunnerStores):
             return TokenOut(state, token, logprobs)
         if state.store_prompt:  # its prompt's own blocks (a tail keyed by the prompt alone), stored after its end
             state.store_prompt = False
-            self.stores.add(solo.fed[: self._prompt_stored(state)], solo.cache, self._states(state))
+            self.stores.add(solo.fed[: self.prompts.prompt_stored(state)], solo.cache, self.prompts.states(state))
         states = state.captures.with_end(solo.cache, len(solo.fed)) if state.captures is not None else None
         return TokenOut(state, token, logprobs, reason, prompt_cache=solo.cache, all_tokens=solo.fed, boundary_states=states)
 
