@@ -20,7 +20,7 @@ from omlx.api.responses_models import ResponseStore
 from omlx.cache.prefix_cache import make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
-from omlx.cache.store import CacheStore
+from omlx.cache.tiers.tiers import Tiers
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.embedding_engine import encoder_factories
@@ -50,7 +50,7 @@ log = logging.getLogger("omlx.server")
 
 
 def llm_factory(
-    settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
+    settings: Settings, store: Tiers | None, on_finished: Callable[[str, dict], None] | None = None
 ) -> EngineFactory:
     try:
         kv_memory = None if settings.max_kv_memory == "auto" else parse_size(settings.max_kv_memory, total=memory_limit_total())
@@ -82,7 +82,7 @@ def llm_factory(
 
 
 def engine_factories(
-    settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
+    settings: Settings, store: Tiers | None, on_finished: Callable[[str, dict], None] | None = None
 ) -> dict[str, EngineFactory]:
     """One factory per model type; the pool routes each model to its engine kind."""
     return {"llm": llm_factory(settings, store, on_finished), **encoder_factories(settings)}

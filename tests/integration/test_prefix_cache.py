@@ -68,7 +68,7 @@ def stats(server: ServerProcess) -> dict:
 
 def settled(server: ServerProcess) -> dict:
     """Stats once the blocks the hot tier let go have reached RAM: on a discrete GPU their
-    copies wait for an idle engine loop (`CacheStore.demote`)."""
+    copies wait for an idle engine loop (`Tiers.demote`)."""
     for _ in range(200):
         s = stats(server)
         if not s.get("demoting_bytes"):
