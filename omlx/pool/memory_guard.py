@@ -144,11 +144,11 @@ class MemoryGuard:
         """Step 3: halve the RAM and hot tiers' budgets (the RAM tier first, to 0)."""
         if self.store is None:
             return False
-        tiers = [t for t in (self.store.warm, self.store.hot) if t is not None and t.max_bytes > 0]
+        tiers = [t for t in (self.store.ram, self.store.device) if t is not None and t.max_bytes > 0]
         if not tiers:
             return False
         if self._budgets is None:
-            self._budgets = {"warm": self.store.warm.max_bytes if self.store.warm else 0, "hot": self.store.hot.max_bytes}
+            self._budgets = {"warm": self.store.ram.max_bytes if self.store.ram else 0, "hot": self.store.device.max_bytes}
         tier = tiers[0]
         target = tier.held_bytes // 2 if tier.held_bytes > (1 << 20) else 0  # half of what it holds
         engines = self._llm_engines()
@@ -159,15 +159,15 @@ class MemoryGuard:
         self.actions["shrink"] += 1
         self._cleared = False
         log.warning("%s cache tier budget shrunk to %s: the process is over its memory limit",
-                    "RAM" if tier is self.store.warm else "hot", format_size(target))
+                    "RAM" if tier is self.store.ram else "hot", format_size(target))
         return True
 
     def _restore_tiers(self) -> None:
         if self._budgets is None or self.store is None:
             return
-        if self.store.warm is not None:
-            self.store.warm.set_max_bytes(self._budgets["warm"])
-        self.store.hot.set_max_bytes(self._budgets["hot"])  # growing evicts nothing
+        if self.store.ram is not None:
+            self.store.ram.set_max_bytes(self._budgets["warm"])
+        self.store.device.set_max_bytes(self._budgets["hot"])  # growing evicts nothing
         log.info("cache tiers back to their budgets: the process is under its memory limit")
         self._budgets = None
 
