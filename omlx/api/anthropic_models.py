@@ -197,10 +197,3 @@ def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
         raise _refuse(f"must be a non-negative integer, got {json.dumps(budget)[:40]}.", "thinking.budget_tokens")
     return budget
 
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"value": value}

@@ -18,7 +18,7 @@ from omlx.api.chat_template import render_chat
 from omlx.api.output_format import OutputFormat
 from omlx.api.output_parser import OutputParser
 from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
-from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
+from omlx.api.tool_calls import OutputWarning, ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_id
@@ -46,6 +46,7 @@ class ChatTurn:
     id_prefix: str = "chatcmpl"
     output_format: OutputFormat | None = None  # held to it (docs/design/structured-output.md)
     thinking_budget: int | None = None  # reasoning tokens before the end of thinking is forced
+    warnings: list[OutputWarning] = field(default_factory=list)  # found in the request (images …)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PreparedChat:
     starts_in_reasoning: bool
     think_start: str = "<think>"
     think_end: str = "</think>"
+    warnings: list[OutputWarning] = field(default_factory=list)  # the request's own
 
     def new_parser(self) -> OutputParser:
         return OutputParser(
@@ -76,6 +78,7 @@ class ChatFinal:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    warnings: list[OutputWarning] = field(default_factory=list)  # the request's, then the output's
 
 
 def _tool_instruction(choice: str | None, tools: list[dict[str, Any]]) -> str | None:
@@ -161,14 +164,19 @@ async def prepare_chat(
         logprobs=turn.logprobs,
         constraint=constraint,
     )
-    return PreparedChat(request, family, tools, reasoning, starts_in_reasoning, think_start, think_end)
+    return PreparedChat(
+        request, family, tools, reasoning, starts_in_reasoning, think_start, think_end, list(turn.warnings)
+    )
 
 
-def final_from(ev: GenerationEvent, parser: OutputParser) -> ChatFinal:
+def final_from(ev: GenerationEvent, parser: OutputParser, prepared: PreparedChat | None = None) -> ChatFinal:
+    """The finish of a parsed generation: any tool call makes it `tool_calls` (also when the
+    length limit cut text after the calls), and the warnings of the request and the output."""
     reason = ev.finish_reason or "stop"
-    if parser.tool_calls and reason == "stop":
+    if parser.tool_calls and reason in ("stop", "length"):
         reason = "tool_calls"
-    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
+    warnings = [*(prepared.warnings if prepared else []), *parser.warnings]
+    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, warnings)
 
 
 async def parsed_events(
@@ -186,27 +194,21 @@ async def parsed_events(
 
 @dataclass
 class ChatResult:
-    text: str
-    reasoning: str
-    tool_calls: list[ToolCall]
+    deltas: list[TextDelta | ReasoningDelta | ToolCall]
     final: ChatFinal
     events: list[GenerationEvent]
 
 
 async def run_chat(engine: LLMEngine, prepared: PreparedChat, request: GenerationRequest | None = None) -> ChatResult:
+    """One sequence run to its end: every parsed delta, the finish, the engine's events."""
     parser = prepared.new_parser()
-    text, reasoning, calls, events = [], [], [], []
+    deltas: list[TextDelta | ReasoningDelta | ToolCall] = []
+    events: list[GenerationEvent] = []
     final = None
-    async for deltas, ev in parsed_events(engine.generate(request or prepared.request), parser):
+    async for batch, ev in parsed_events(engine.generate(request or prepared.request), parser):
         events.append(ev)
-        for d in deltas:
-            if isinstance(d, TextDelta):
-                text.append(d.text)
-            elif isinstance(d, ReasoningDelta):
-                reasoning.append(d.text)
-            else:
-                calls.append(d)
+        deltas += batch
         if ev.finish_reason is not None:
-            final = final_from(ev, parser)
+            final = final_from(ev, parser, prepared)
     assert final is not None
-    return ChatResult("".join(text), "".join(reasoning), calls, final, events)
+    return ChatResult(deltas, final, events)
