@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from omlx.api.media import DOCUMENT_KINDS, IMAGE_KINDS, MediaPolicy
 from omlx.api.tool_specs import tool_name
 from omlx.errors import InvalidRequestError
 
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
-def content_text(content: Any, param: str = "messages") -> str:
-    """Flatten OpenAI/Anthropic content parts to text; non-text parts are refused."""
+
+def content_text(content: Any, param: str, media: MediaPolicy, in_tool_result: bool = False) -> str:
+    """Flatten OpenAI / Responses content parts to text: images and files follow `media`
+    (a placeholder inside a tool result, else a 400), parts of unknown types are dropped."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -25,19 +29,26 @@ def content_text(content: Any, param: str = "messages") -> str:
         )
     out = []
     for j, part in enumerate(content):
+        where = f"{param}.{j}"
         if isinstance(part, str):
             out.append(part)
-        elif isinstance(part, dict) and part.get("type") in ("text", "input_text", "output_text"):
-            text = part.get("text", "")
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            shown = type(part).__name__ if not isinstance(part, dict) else "an object without a 'type' string"
+            raise InvalidRequestError(f"{where}: each content part must be a string or an object with a 'type' "
+                                      f"string, got {shown}.", param=where)  # fmt: skip
+        if kind in TEXT_PARTS:
+            text = part.get(TEXT_PARTS[kind], "")
             if not isinstance(text, str):
-                raise InvalidRequestError(f"{param}.{j}.text must be a string.", param=f"{param}.{j}.text")
+                raise InvalidRequestError(f"{where}.{TEXT_PARTS[kind]} must be a string.", param=f"{where}.{TEXT_PARTS[kind]}")
             out.append(text)
+        elif kind in IMAGE_KINDS or kind in DOCUMENT_KINDS:
+            if not in_tool_result:
+                raise media.refuse(kind, where)
+            out.append(media.placeholder(kind, where))
         else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(
-                f"{param}.{j}: content part of type {json.dumps(kind)[:40]} is not supported by this text model.",
-                param=f"{param}.{j}",
-            )
+            media.drop(kind, where)
     return "".join(out)
 
 

@@ -37,7 +37,8 @@ Rules:
   salvaged into calls (arguments as generated); an envelope still open when the output ends is
   closed and parsed; what cannot be read either way is given back as text, verbatim, and
   :attr:`OutputParser.warnings` names the problem (``tool_call_unclosed``,
-  ``tool_call_unparsed``, ``tool_arguments_invalid``).
+  ``tool_call_unparsed``, ``tool_arguments_invalid``); a call-shaped JSON answer naming a tool
+  that was not offered stays text, with ``tool_call_unknown_tool``.
 * A start marker quoted in prose or code is text: one right after a backtick or inside a
   plain code block, or one whose next characters cannot begin a call of its family
   (``Markup.plausible``).
@@ -64,6 +65,7 @@ Typical use, with an mlx-lm ``TokenizerWrapper`` ``tok``::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +143,8 @@ _FENCE_LANGS = {
 }
 _TEXT, _REASONING, _TOOL, _JSON, _FENCED = "text", "reasoning", "tool", "json", "fence"
 _TAIL = 64  # longer than any end marker
+_CALL_NAME = re.compile(r"^[\w.:\-]{1,128}$")
+_FINISHED = ("}", "]", ")", ">", "｜>")  # how a call's text ends once it is complete
 _HEAD = 256  # a call candidate must show itself within this many characters
 
 
@@ -302,6 +306,19 @@ class OutputParser:
         if salvage_calls(text.lstrip("`").removeprefix("json").removeprefix("tool_call"), self._names):
             self._warn("tool_call_unclosed", f"The output ended inside {what}; it is returned as text.")
 
+    def _warn_if_unknown_tool(self, text: str) -> None:
+        """A call-shaped JSON answer (name and arguments) naming a tool that was not offered."""
+        try:
+            values = json_values(text)
+        except ValueError:
+            return
+        items = [v for value in values for v in (value if isinstance(value, list) else [value])]
+        names = [v.get("name") for v in items if isinstance(v, dict) and ("arguments" in v or "parameters" in v)]
+        unknown = [n for n in names if isinstance(n, str) and n not in self._names]
+        if names and len(names) == len(items) and unknown:
+            self._warn("tool_call_unknown_tool", f"The answer reads as a call of '{unknown[0][:64]}', which is not "
+                       "among the offered tools; it is returned as text.")  # fmt: skip
+
     def _make_calls(self, parsed: Any, known: set[str] | None = None) -> list[ToolCall] | None:
         if parsed is None:
             return None
@@ -310,8 +327,8 @@ class OutputParser:
             if not isinstance(call, dict):
                 return None
             name, args = call.get("name"), call.get("arguments")
-            if not isinstance(name, str) or not name.strip():
-                return None
+            if not isinstance(name, str) or not _CALL_NAME.match(name.strip()):
+                return None  # a parser read something else as the name
             if name == "unknown" and isinstance(args, dict) and set(args) == {"raw"}:
                 return None  # mlx-lm's glm47 parser gave up
             if known is not None and name.strip() not in known:
@@ -536,6 +553,8 @@ class OutputParser:
             if call.problem:
                 self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
         complete = closed or not markup.end  # end-less markup runs to the end of the output
+        if calls and not complete and not inner.rstrip().endswith(_FINISHED):
+            calls = None  # cut inside a value: what the lenient parsers read of it is not the call
         if not calls and complete:
             calls = self._salvaged(inner)
         self._mode, self._markup = _TEXT, None
@@ -610,6 +629,8 @@ class OutputParser:
                 calls = self._make_calls(self._json_calls(text), known=self._names)
             except ValueError:
                 calls = self._salvaged(text)
+            if not calls:
+                self._warn_if_unknown_tool(text)
         if calls:
             self._mode = _TEXT
             self._acc_reset()
@@ -695,9 +716,12 @@ class OutputParser:
                 parsed = pythonic_calls(stripped, self._tools)
             else:
                 parsed = self._json_calls(stripped)
-            return self._make_calls(parsed, known=self._names)
+            calls = self._make_calls(parsed, known=self._names)
         except Exception:  # mlx-lm's pythonic parser raises assorted errors
-            return self._salvaged(stripped) if stripped[:1] == "{" else None
+            calls = self._salvaged(stripped) if stripped[:1] == "{" else None
+        if not calls and stripped[:1] in ("{", "["):
+            self._warn_if_unknown_tool(stripped)
+        return calls
 
     def _fence_as_text(self, upto: int, in_block: bool) -> bool:
         """A fence that is not a call candidate: pass its opening through as text."""

@@ -49,7 +49,8 @@ class OutputWarning:
     """Something in the output that could not be read as the model meant it; every API returns
     these in its response's `warnings` (docs/agents.md)."""
 
-    code: str  # tool_call_unclosed | tool_call_unparsed | tool_arguments_invalid | image_omitted
+    # tool_call_unclosed | tool_call_unparsed | tool_call_unknown_tool | tool_arguments_invalid | media_omitted
+    code: str
     message: str
 
     def as_json(self) -> dict[str, str]:

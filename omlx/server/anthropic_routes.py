@@ -17,6 +17,7 @@ from omlx.api.anthropic_models import (
     tool_choice_name,
     tool_specs,
 )
+from omlx.api.media import MediaPolicy
 from omlx.api.output_format import anthropic_output_format
 from omlx.api.tool_prompt import template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
@@ -39,8 +40,9 @@ router = APIRouter()
 
 def _turn(body: MessagesRequest) -> ChatTurn:
     tools = tool_specs(body.tools)
+    media = MediaPolicy(body.model)
     return ChatTurn(
-        messages=to_chat_messages(body),
+        messages=to_chat_messages(body, media),
         tools=tools,
         tool_choice=tool_choice_name(body.tool_choice, tools),
         max_tokens=body.max_tokens,
@@ -50,6 +52,7 @@ def _turn(body: MessagesRequest) -> ChatTurn:
         id_prefix="msg",
         output_format=anthropic_output_format(body.output_config, body.output_format),
         thinking_budget=thinking_budget(body.thinking),
+        warnings=media.warnings,
     )
 
 

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from omlx.api.chat_template import content_text, normalize_tool_calls
+from omlx.api.media import MediaPolicy
 from omlx.api.openai_models import ChatCompletionRequest
 from omlx.api.output_format import openai_response_format
 from omlx.api.tool_specs import openai_tool_choice, openai_tools
@@ -36,12 +37,13 @@ from omlx.server.structured import effort_budget
 router = APIRouter()
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """OpenAI messages → HF chat-template messages."""
+def chat_messages(req: ChatCompletionRequest, media: MediaPolicy) -> list[dict[str, Any]]:
+    """OpenAI messages → HF chat-template messages (`media` collects the warnings)."""
     out = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
-        msg: dict[str, Any] = {"role": role, "content": content_text(m.content, f"messages.{i}.content")}
+        content = content_text(m.content, f"messages.{i}.content", media, in_tool_result=role == "tool")
+        msg: dict[str, Any] = {"role": role, "content": content}
         calls = normalize_tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
         if calls:
             msg["tool_calls"] = calls
@@ -58,8 +60,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 def _turn(body: ChatCompletionRequest) -> ChatTurn:
     """The request as a chat turn, checked before any model is leased."""
     tools = openai_tools(body.tools)
+    media = MediaPolicy(body.model)
     return ChatTurn(
-        messages=chat_messages(body),
+        messages=chat_messages(body, media),
         tools=tools,
         tool_choice=openai_tool_choice(body.tool_choice, tools),
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -74,6 +77,7 @@ def _turn(body: ChatCompletionRequest) -> ChatTurn:
             body.thinking_budget if body.thinking_budget is not None
             else effort_budget(body.reasoning_effort, "reasoning_effort")
         ),
+        warnings=media.warnings,
     )
 
 

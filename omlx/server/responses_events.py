@@ -3,6 +3,7 @@ the non-streaming response is the final one of the same sequence."""
 
 from __future__ import annotations
 
+import copy
 import secrets
 import time
 from typing import Any
@@ -21,7 +22,7 @@ def new_id(prefix: str) -> str:
 def response_usage(final: ChatFinal) -> dict[str, Any]:
     return {
         "input_tokens": final.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": final.cached_tokens},
+        "input_tokens_details": {"cached_tokens": final.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -63,8 +64,10 @@ class ResponseEvents:
         return "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
 
     def _ev(self, name: str, payload: dict[str, Any]) -> Event:
+        """An event; the items and responses in it are copies (the live ones change later)."""
         self._seq += 1
-        return name, {"type": name, "sequence_number": self._seq, **payload}
+        snap = {k: copy.deepcopy(v) if k in ("item", "response", "part") else v for k, v in payload.items()}
+        return name, {"type": name, "sequence_number": self._seq, **snap}
 
     def start(self) -> list[Event]:
         return [
@@ -80,7 +83,7 @@ class ResponseEvents:
         if current["type"] == "message":
             part = current["content"][0]
             out.append(self._ev("response.output_text.done", {"item_id": current["id"], "output_index": idx,
-                                                               "content_index": 0, "text": part["text"]}))
+                                                               "content_index": 0, "text": part["text"], "logprobs": []}))
             out.append(self._ev("response.content_part.done", {"item_id": current["id"], "output_index": idx,
                                                                 "content_index": 0, "part": part}))
         elif current["type"] == "reasoning":
@@ -124,7 +127,7 @@ class ResponseEvents:
         self._current["content"][0]["text"] += text
         out.append(self._ev("response.output_text.delta", {
             "item_id": self._current["id"], "output_index": self.output.index(self._current),
-            "content_index": 0, "delta": text,
+            "content_index": 0, "delta": text, "logprobs": [],
         }))  # fmt: skip
         return out
 

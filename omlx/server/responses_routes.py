@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from omlx.api.media import MediaPolicy
 from omlx.api.output_format import responses_text_format
 from omlx.api.responses_models import (
     ResponsesRequest,
@@ -40,7 +41,7 @@ def _store(request: Request) -> ResponseStore:
     return request.app.state.responses
 
 
-def conversation_for(body: ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
+def conversation_for(body: ResponsesRequest, store: ResponseStore, media: MediaPolicy) -> list[dict[str, Any]]:
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
         found = store.get(body.previous_response_id)
@@ -50,12 +51,13 @@ def conversation_for(body: ResponsesRequest, store: ResponseStore) -> list[dict[
                 param="previous_response_id",
             )
         history = [m for m in found[1] if m["role"] != "system"]
-    return history + items_to_messages(input_items(body.input))
+    return history + items_to_messages(input_items(body.input), media)
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    messages = conversation_for(body, _store(request))  # checked before the model is leased
+    media = MediaPolicy(body.model)
+    messages = conversation_for(body, _store(request), media)  # checked before the model is leased
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
     if not messages:
@@ -70,6 +72,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         id_prefix="resp",
         output_format=responses_text_format(body.text),
         thinking_budget=effort_budget((body.reasoning or {}).get("effort"), "reasoning.effort"),
+        warnings=media.warnings,
     )
     return await with_llm(request, body.model, lambda e, r: _create(body, turn, request, e, r))
 
