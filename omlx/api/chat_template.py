@@ -52,21 +52,22 @@ def content_text(content: Any, param: str, media: MediaPolicy, in_tool_result: b
     return "".join(out)
 
 
-def render_chat(
+def render_text(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     *,
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
-) -> list[int]:
-    """Token ids of the rendered conversation, ready for generation."""
+) -> str:
+    """The conversation rendered by the model's chat template, as text (a 400 when the template
+    refuses it)."""
     if getattr(tokenizer, "chat_template", None) is None:
-        text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
-        return list(tokenizer.encode(text))
+        text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
     kwargs = dict(template_kwargs or {})
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
@@ -77,7 +78,44 @@ def render_chat(
         raise InvalidRequestError(
             f"The model's chat template could not render these messages: {exc}", param="messages"
         ) from None
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(tokenizer.encode(text))
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of the rendered conversation, ready for generation."""
+    text = render_text(tokenizer, messages, tools=tools, template_kwargs=template_kwargs,
+                       add_generation_prompt=add_generation_prompt)  # fmt: skip
+    return encode(tokenizer, text)
+
+
+def encode_spliced(tokenizer: Any, text: str, turns: list[tuple[str, list[int]]]) -> tuple[list[int], list[int]]:
+    """Token ids of `text` in which each of `turns` (generated text, its token ids), found in
+    order, keeps the ids it was generated as; the text around them is encoded in pieces, the
+    first piece ending where the previous prompt ended. Also returns the indices of the turns
+    not found verbatim (a template that rewrote them: those are encoded as text)."""
+    ids: list[int] = []
+    missing: list[int] = []
+    at = 0
+    for k, (turn_text, turn_ids) in enumerate(turns):
+        found = text.find(turn_text, at) if turn_text else -1
+        if found < 0:
+            missing.append(k)
+            continue
+        ids += encode(tokenizer, text[at:found]) + list(turn_ids)
+        at = found + len(turn_text)
+    return ids + encode(tokenizer, text[at:]), missing
 
 
 def normalize_tool_calls(tool_calls: list[Any] | None, param: str) -> list[dict[str, Any]] | None:

@@ -33,6 +33,8 @@ class ResponsesRequest(Lenient):
     stream: bool = False
     store: bool = True
     reasoning: dict[str, Any] | None = None
+    # reasoning tokens before the model's end-of-thinking marker is forced (oMLX's own field)
+    thinking_budget: int | None = Field(default=None, ge=0)
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 

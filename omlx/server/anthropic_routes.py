@@ -63,7 +63,9 @@ async def messages(body: MessagesRequest, request: Request):
 
 
 async def _messages(body: MessagesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
-    prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
+    prepared = await prepare_chat(
+        engine, resolved, turn, default_max_tokens(request, resolved.defaults), request.app.state.turn_memory
+    )
     requests = [prepared.request]
     events = MessageEvents(prepared.request.request_id, body.model, len(prepared.request.prompt_tokens))
     engine.reserve(requests)
@@ -75,7 +77,7 @@ async def _messages(body: MessagesRequest, turn: ChatTurn, request: Request, eng
     try:
         final = None
         parser = prepared.new_parser()
-        async for deltas, ev in parsed_events(engine.generate(prepared.request), parser):
+        async for deltas, ev in parsed_events(engine.generate(prepared.request), parser, prepared):
             events.feed(deltas)
             if ev.finish_reason is not None:
                 final = final_from(ev, parser, prepared)
@@ -93,7 +95,7 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, events: MessageEven
     final: ChatFinal | None = None
     try:
         parser = prepared.new_parser()
-        async for item in with_keepalive(parsed_events(engine.generate(prepared.request), parser), interval):
+        async for item in with_keepalive(parsed_events(engine.generate(prepared.request), parser, prepared), interval):
             if item is KEEPALIVE:
                 yield sse_event("ping", {"type": "ping"})
                 continue
@@ -123,5 +125,5 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     tools = None if turn.tool_choice == "none" else turn.tools
     async with request.app.state.pool.lease(body.model, "llm") as (engine, _resolved):
         native = bool(tools) and template_supports_tools(engine.tokenizer)
-        tokens = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native)
+        tokens, _ = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native)
     return {"input_tokens": len(tokens)}

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omlx.api.chat_template import render_chat
+from omlx.api.chat_template import encode_spliced, render_text
 from omlx.api.output_format import OutputFormat
 from omlx.api.output_parser import OutputParser
 from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
@@ -26,6 +26,7 @@ from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.generation import completion_budget, event_error, sampling_params
 from omlx.server.structured import build_constraint, tool_forcing
+from omlx.server.turn_memory import GeneratedTurn, TurnMemory, answer_prefill
 
 log = logging.getLogger("omlx.server")
 
@@ -59,6 +60,14 @@ class PreparedChat:
     think_start: str = "<think>"
     think_end: str = "</think>"
     warnings: list[OutputWarning] = field(default_factory=list)  # the request's own
+    memory: TurnMemory | None = None  # where the answer is remembered as generated
+    model_id: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
+
+    def remember(self, text: str, tokens: list[int], content: str, calls: list[ToolCall], ev: GenerationEvent) -> None:
+        """Keep an answer that ended normally, as generated, for the conversation's next request."""
+        if self.memory is not None and ev.finish_reason in ("stop", "length") and ev.stop_string is None:
+            self.memory.remember(self.model_id, self.messages, text, tokens, content, calls)
 
     def new_parser(self) -> OutputParser:
         return OutputParser(
@@ -81,14 +90,6 @@ class ChatFinal:
     warnings: list[OutputWarning] = field(default_factory=list)  # the request's, then the output's
 
 
-def _tool_instruction(choice: str | None, tools: list[dict[str, Any]]) -> str | None:
-    if choice in (None, "auto", "none"):
-        return None
-    if choice in ("required", "any"):
-        return "You must answer by calling one of the available tools."
-    return f"You must answer by calling the tool '{choice}'."
-
-
 def _fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Templates that allow a system message only first: fold later ones into the first."""
     systems = [m for m in messages if m["role"] == "system"]
@@ -106,38 +107,83 @@ def _family(engine: LLMEngine) -> str | None:
     return engine.tool_family  # type: ignore[attr-defined]
 
 
-def render_turn(tokenizer: Any, turn: ChatTurn, tools: list[dict[str, Any]] | None, native_tools: bool) -> list[int]:
+def render_turn(
+    tokenizer: Any,
+    turn: ChatTurn,
+    tools: list[dict[str, Any]] | None,
+    native_tools: bool,
+    recalled: dict[int, GeneratedTurn] | None = None,
+    prefill: str = "",
+) -> tuple[list[int], list[int]]:
+    """The prompt's token ids; assistant turns in `recalled` (by message index) are rendered as
+    generated (`prefill` + their text) and keep their token ids. Also returns the indices (into
+    the recalled turns, in order) that the template rewrote, encoded as text instead."""
     messages = [dict(m) for m in turn.messages]
-    instruction = _tool_instruction(turn.tool_choice, tools or [])
+    for index, generated in (recalled or {}).items():
+        messages[index] = {"role": "assistant", "content": prefill + generated.text}
+    # A forced tool choice is held by its grammar, not asked for in the prompt: a prompt that
+    # changed with the tool choice would lose the conversation's cached prefix.
     if tools and not native_tools:
         messages = inject_tools_into_system(messages, tools)
-    if instruction:
-        if messages and messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}"}
-        else:
-            messages.insert(0, {"role": "system", "content": instruction})
     template_tools = [{"type": "function", "function": t} for t in tools] if tools and native_tools else None
     try:
-        return render_chat(tokenizer, messages, tools=template_tools, template_kwargs=turn.template_kwargs)
+        text = render_text(tokenizer, messages, tools=template_tools, template_kwargs=turn.template_kwargs)
     except InvalidRequestError:
+        if recalled:  # a template that wants the calls as the client sent them
+            return render_turn(tokenizer, turn, tools, native_tools)
         late_system = any(m["role"] == "system" for m in messages[1:])
         if not late_system:
             raise
-        return render_chat(
+        text = render_text(
             tokenizer, _fold_late_system(messages), tools=template_tools, template_kwargs=turn.template_kwargs
         )
+    turns = [(g.text, list(g.tokens)) for _, g in sorted((recalled or {}).items())]
+    return encode_spliced(tokenizer, text, turns)
+
+
+def recall_turns(memory: TurnMemory | None, model: str, messages: list[dict[str, Any]]) -> dict[int, GeneratedTurn]:
+    """The assistant turns of `messages` this server generated and the client sent back unchanged."""
+    if memory is None:
+        return {}
+    found = {}
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            generated = memory.recall(model, messages, i)
+            if generated is not None:
+                found[i] = generated
+    return found
+
+
+def _prefill(engine: LLMEngine, template_kwargs: dict[str, Any]) -> str:
+    """`answer_prefill` of the engine's template, probed once per set of template arguments."""
+    cache = engine.__dict__.setdefault("answer_prefills", {})
+    key = repr(sorted(template_kwargs.items()))
+    if key not in cache:
+        cache[key] = answer_prefill(engine.tokenizer, template_kwargs)
+    return cache[key]
 
 
 async def prepare_chat(
-    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int
+    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int, memory: TurnMemory | None = None
 ) -> PreparedChat:
+    """Render, budget and constrain the turn; earlier assistant turns this server generated go
+    back into the prompt as generated (`memory`), and so does this one's answer."""
     tokenizer = engine.tokenizer
     defaults = resolved.defaults
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(tokenizer)
     family = _family(engine) if native or not tools else "hermes"
     turn.template_kwargs = {**(defaults.chat_template_kwargs or {}), **turn.template_kwargs}
-    prompt = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native)
+    request_id = new_request_id(turn.id_prefix)
+    recalled = recall_turns(memory, engine.model_id, turn.messages)
+    prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
+    prompt, rewritten = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native, recalled, prefill)
+    if rewritten:
+        log.info(
+            "request=%s: the chat template rewrote %d of the %d earlier assistant turns sent back as generated "
+            "(e.g. it drops past reasoning); the prompt differs from the previous one from the first of them on, "
+            "and the cache restores only what precedes it", request_id, len(rewritten), len(recalled),
+        )  # fmt: skip
     think_start = getattr(tokenizer, "think_start", None) or "<think>"
     think_end = getattr(tokenizer, "think_end", None) or "</think>"
     reasoning = bool(getattr(tokenizer, "has_thinking", False))
@@ -156,7 +202,7 @@ async def prepare_chat(
         family=family, starts_in_reasoning=starts_in_reasoning, budget=turn.thinking_budget,
     )  # fmt: skip
     request = GenerationRequest(
-        request_id=new_request_id(turn.id_prefix),
+        request_id=request_id,
         prompt_tokens=prompt,
         max_tokens=budget,
         sampling=sampling,
@@ -165,7 +211,8 @@ async def prepare_chat(
         constraint=constraint,
     )
     return PreparedChat(
-        request, family, tools, reasoning, starts_in_reasoning, think_start, think_end, list(turn.warnings)
+        request, family, tools, reasoning, starts_in_reasoning, think_start, think_end, list(turn.warnings),
+        memory, engine.model_id, turn.messages,
     )
 
 
@@ -180,15 +227,25 @@ def final_from(ev: GenerationEvent, parser: OutputParser, prepared: PreparedChat
 
 
 async def parsed_events(
-    events: AsyncIterator[GenerationEvent], parser: OutputParser
+    events: AsyncIterator[GenerationEvent], parser: OutputParser, prepared: PreparedChat | None = None
 ) -> AsyncIterator[tuple[list[TextDelta | ReasoningDelta | ToolCall], GenerationEvent]]:
-    """Each engine event with the parsed deltas its text produced (the last one also flushes)."""
+    """Each engine event with the parsed deltas its text produced (the last one also flushes);
+    at the end the answer is remembered as generated (`PreparedChat.remember`)."""
+    text: list[str] = []
+    tokens: list[int] = []
+    content: list[str] = []
     async for ev in events:
         if ev.finish_reason == "error":
             raise event_error(ev)
         deltas = parser.feed(ev.text) if ev.text else []
         if ev.finish_reason is not None:
             deltas += parser.finish()
+        if prepared is not None:
+            text.append(ev.text)
+            tokens += ev.token_ids
+            content += [d.text for d in deltas if isinstance(d, TextDelta)]
+            if ev.finish_reason is not None:
+                prepared.remember("".join(text), tokens, "".join(content), parser.tool_calls, ev)
         yield deltas, ev
 
 
@@ -205,7 +262,7 @@ async def run_chat(engine: LLMEngine, prepared: PreparedChat, request: Generatio
     deltas: list[TextDelta | ReasoningDelta | ToolCall] = []
     events: list[GenerationEvent] = []
     final = None
-    async for batch, ev in parsed_events(engine.generate(request or prepared.request), parser):
+    async for batch, ev in parsed_events(engine.generate(request or prepared.request), parser, prepared):
         events.append(ev)
         deltas += batch
         if ev.finish_reason is not None:

@@ -90,7 +90,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _chat(body: ChatCompletionRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
-    prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
+    prepared = await prepare_chat(
+        engine, resolved, turn, default_max_tokens(request, resolved.defaults), request.app.state.turn_memory
+    )
     requests = fan_out(prepared.request, body.n)
     created = int(time.time())
     rid = prepared.request.request_id
@@ -124,7 +126,7 @@ async def _one_stream(engine: LLMEngine, prepared: PreparedChat, req: Generation
                       queue: asyncio.Queue) -> None:
     parser = prepared.new_parser()
     try:
-        async for deltas, ev in parsed_events(engine.generate(req), parser):
+        async for deltas, ev in parsed_events(engine.generate(req), parser, prepared):
             final = final_from(ev, parser, prepared) if ev.finish_reason else None
             await queue.put((index, deltas, ev, final, None))
     except Exception as exc:  # reported in-band by the consumer

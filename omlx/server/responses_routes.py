@@ -71,7 +71,10 @@ async def create_response(body: ResponsesRequest, request: Request):
         sampling={"temperature": body.temperature, "top_p": body.top_p},
         id_prefix="resp",
         output_format=responses_text_format(body.text),
-        thinking_budget=effort_budget((body.reasoning or {}).get("effort"), "reasoning.effort"),
+        thinking_budget=(
+            body.thinking_budget if body.thinking_budget is not None
+            else effort_budget((body.reasoning or {}).get("effort"), "reasoning.effort")
+        ),
         warnings=media.warnings,
     )
     return await with_llm(request, body.model, lambda e, r: _create(body, turn, request, e, r))
@@ -79,7 +82,9 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 async def _create(body: ResponsesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
     messages = turn.messages
-    prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
+    prepared = await prepare_chat(
+        engine, resolved, turn, default_max_tokens(request, resolved.defaults), request.app.state.turn_memory
+    )
     events = ResponseEvents(body)
     store = _store(request)
     requests = [prepared.request]
@@ -118,7 +123,7 @@ async def _run(engine: LLMEngine, prepared: PreparedChat, events: ResponseEvents
         yield e
     parser = prepared.new_parser()
     final: ChatFinal | None = None
-    async for item in with_keepalive(parsed_events(engine.generate(prepared.request), parser), interval):
+    async for item in with_keepalive(parsed_events(engine.generate(prepared.request), parser, prepared), interval):
         if item is KEEPALIVE:
             yield KEEPALIVE
             continue

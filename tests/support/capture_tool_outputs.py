@@ -68,7 +68,7 @@ def capture(out: Path) -> None:
         specs = [t["function"] for t in TOOLS]
         for prompt_id, text in PROMPTS.items():
             turn = ChatTurn(messages=[{"role": "user", "content": text}], tools=specs)
-            prompt = render_turn(tok, turn, specs, native)
+            prompt, _ = render_turn(tok, turn, specs, native)
             for setting, temp, seed in SETTINGS:
                 mx.random.seed(seed)
                 raw = generate(loaded.model, tok, prompt, max_tokens=160, sampler=make_sampler(temp=temp))
