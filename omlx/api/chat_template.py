@@ -100,22 +100,39 @@ def render_chat(
     return encode(tokenizer, text)
 
 
-def encode_spliced(tokenizer: Any, text: str, turns: list[tuple[str, list[int]]]) -> tuple[list[int], list[int]]:
-    """Token ids of `text` in which each of `turns` (generated text, its token ids), found in
-    order, keeps the ids it was generated as; the text around them is encoded in pieces, the
-    first piece ending where the previous prompt ended. Also returns the indices of the turns
-    not found verbatim (a template that rewrote them: those are encoded as text)."""
-    ids: list[int] = []
-    missing: list[int] = []
-    at = 0
-    for k, (turn_text, turn_ids) in enumerate(turns):
-        found = text.find(turn_text, at) if turn_text else -1
+TURN_MARK = "\x00omlx-turn-{}\x00"  # placed before a generated turn to find it in the rendered text
+
+
+def encode_spliced(tokenizer: Any, marked: str, turns: list[tuple[str, list[int]]]) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered text in which generated turn k is preceded by `TURN_MARK.format(k)`
+    (the marks are removed): where the text after its mark is the turn's text (generated text, its
+    token ids), those ids are kept, and the text around them is encoded in pieces, the first
+    piece ending where the previous prompt ended. Also returns the indices of the turns that are
+    not there verbatim (a template that rewrote them: encoded as text)."""
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []  # (k, start in the text without marks)
+    at, length = 0, 0
+    for k in range(len(turns)):
+        found = marked.find(TURN_MARK.format(k), at)
         if found < 0:
-            missing.append(k)
             continue
-        ids += encode(tokenizer, text[at:found]) + list(turn_ids)
-        at = found + len(turn_text)
-    return ids + encode(tokenizer, text[at:]), missing
+        pieces.append(marked[at:found])
+        length += found - at
+        spans.append((k, length))
+        at = found + len(TURN_MARK.format(k))
+    pieces.append(marked[at:])
+    text = "".join(pieces)
+    ids: list[int] = []
+    done = 0
+    kept = set()
+    for k, start in spans:
+        turn_text, turn_ids = turns[k]
+        if start < done or not turn_text or not text.startswith(turn_text, start):
+            continue
+        ids += encode(tokenizer, text[done:start]) + list(turn_ids)
+        done = start + len(turn_text)
+        kept.add(k)
+    return ids + encode(tokenizer, text[done:]), [k for k in range(len(turns)) if k not in kept]
 
 
 def normalize_tool_calls(tool_calls: list[Any] | None, param: str) -> list[dict[str, Any]] | None:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omlx.api.chat_template import encode_spliced, render_text
+from omlx.api.chat_template import TURN_MARK, encode_spliced, render_text
 from omlx.api.output_format import OutputFormat
 from omlx.api.output_parser import OutputParser
 from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
@@ -119,8 +119,8 @@ def render_turn(
     generated (`prefill` + their text) and keep their token ids. Also returns the indices (into
     the recalled turns, in order) that the template rewrote, encoded as text instead."""
     messages = [dict(m) for m in turn.messages]
-    for index, generated in (recalled or {}).items():
-        messages[index] = {"role": "assistant", "content": prefill + generated.text}
+    for k, (index, generated) in enumerate(sorted((recalled or {}).items())):
+        messages[index] = {"role": "assistant", "content": prefill + TURN_MARK.format(k) + generated.text}
     # A forced tool choice is held by its grammar, not asked for in the prompt: a prompt that
     # changed with the tool choice would lose the conversation's cached prefix.
     if tools and not native_tools:
@@ -192,7 +192,7 @@ async def prepare_chat(
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
     budget = completion_budget(
         engine, len(prompt), turn.max_tokens, defaults.max_tokens or default_max_tokens,
-        window_cap=defaults.context_length,
+        window_cap=defaults.context_length, cap=defaults.max_tokens_cap,
     )
     sampling = sampling_params(
         turn.sampling, defaults, seed=turn.seed, logit_bias=turn.logit_bias, vocab_size=engine.model_vocab_size

@@ -337,3 +337,15 @@ def test_a_call_cut_by_max_tokens_is_text_with_a_warning_on_every_api(claude, oa
     for response in (whole, streamed):
         assert response.status == "incomplete" and not [o for o in response.output if o.type == "function_call"]
         assert [w["code"] for w in response.model_extra["warnings"]] == ["tool_call_unclosed"]
+
+
+def test_a_models_max_tokens_cap_bounds_what_agents_ask_for(claude, tiny_server):
+    """Claude Code asks for 32000 tokens whatever the model: the model's `max_tokens_cap` holds."""
+    r = httpx.put(f"{tiny_server.base_url}/api/models/{NO_EOS}/settings", json={"max_tokens_cap": 7}, timeout=30)
+    assert r.status_code == 200, r.text
+    try:
+        msg = claude.messages.create(model=NO_EOS, max_tokens=32000, extra_body=GREEDY,
+                                     messages=[{"role": "user", "content": "count"}])
+        assert msg.usage.output_tokens == 7 and msg.stop_reason == "max_tokens"
+    finally:
+        httpx.put(f"{tiny_server.base_url}/api/models/{NO_EOS}/settings", json={"max_tokens_cap": None}, timeout=30)
