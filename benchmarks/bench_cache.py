@@ -24,10 +24,13 @@ unrelated warm-up request, so first-use kernel compilation is not counted as pre
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -97,6 +100,38 @@ def restart(server: Server, model: PreparedModel) -> float:
     warm_up(server, model)
     log(f"restarted {server.label} in {took:.1f}s")
     return took
+
+
+def in_tree(root: Path, action: Callable[[], Any]) -> Any:
+    """`action()` with `common.REPO_ROOT` at `root`: `python -m omlx` imports the tree it starts in."""
+    here, common.REPO_ROOT = common.REPO_ROOT, root
+    try:
+        return action()
+    finally:
+        common.REPO_ROOT = here
+
+
+def start_before(model: PreparedModel, root: Path) -> Server:
+    """oMLX served from an earlier checkout (`--before-root`), warmed up as the others are."""
+    server = Server("omlx", model, [], label=f"oMLX at {root.name}")
+    log(f"starting oMLX from {root}")
+    in_tree(root, server.start)
+    warm_up(server, model)
+    return server
+
+
+def print_against_before(trace: Trace, turns: list[int]) -> None:
+    """Per turn (each a round in which every request went to each server in turn): oMLX's mean TTFT over the
+    earlier checkout's, and whether both reported the same cached tokens; then the median of the ratios."""
+    ratios = []
+    print("\n| turn | oMLX / before, mean TTFT | cached tokens (oMLX, before) |\n|---|---|---|")
+    for t in turns:
+        ours, before = trace.results["ours"][t], trace.results["before"][t]
+        ratio = mean(r.ttft for r in ours) / mean(r.ttft for r in before)
+        ratios.append(ratio)
+        cached = (sum(r.cached_tokens for r in ours), sum(r.cached_tokens for r in before))
+        print(f"| {t} | {ratio:.3f} | {cached[0]}, {cached[1]}{'' if cached[0] == cached[1] else ' (differ)'} |")
+    print(f"\nmedian of the per-turn ratios: {statistics.median(ratios):.3f}")
 
 
 def stop_all(*servers: Server) -> None:
@@ -256,14 +291,7 @@ def part_b(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
         servers["nocache"].start()
         warm_up(servers["nocache"], model)
     if args.before_root:  # the same trace through an earlier checkout's server, in this run
-        here, common.REPO_ROOT = common.REPO_ROOT, Path(args.before_root).resolve()
-        try:
-            servers["before"] = Server("omlx", model, [], label=f"oMLX at {Path(args.before_root).name}")
-            log(f"starting oMLX from {args.before_root}")
-            servers["before"].start()
-        finally:
-            common.REPO_ROOT = here  # `python -m omlx` imported that tree at its start
-        warm_up(servers["before"], model)
+        servers["before"] = start_before(model, Path(args.before_root).resolve())
     try:
         for t in range(1, args.turns + 1):
             trace.turn(t, servers)
@@ -272,6 +300,8 @@ def part_b(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
     print_turns(
         f"(b) agent trace, {args.sessions} sessions x {args.turns} turns, per turn", trace, servers
     )
+    if "before" in servers:
+        print_against_before(trace, list(range(1, args.turns + 1)))
     o, p = trace.all_results("ours"), trace.all_results("peer")
     print(f"\noMLX: {fmt_cached(o)}; mlx_lm.server: {fmt_cached(p)}")
     rows = [
@@ -301,15 +331,20 @@ def part_c(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
     trace = new_trace(model, args)
     ours, peer = start_pair(model)
     servers = {"ours": ours, "peer": peer}
+    before_root = Path(args.before_root).resolve() if args.before_root else None
+    if before_root is not None:  # restarted too: its SSD tier and saved measurements against ours
+        servers["before"] = start_before(model, before_root)
     after = args.restart_after + 1
     try:
         for t in range(1, after):
             trace.turn(t, servers)
         for s in (ours, peer):
             restart(s, model)
+        if before_root is not None:
+            in_tree(before_root, lambda: restart(servers["before"], model))
         trace.turn(after, servers)
     finally:
-        stop_all(ours, peer)
+        stop_all(*servers.values())
     print_turns(
         f"(c) agent trace with both servers restarted after turn {args.restart_after}",
         trace,
@@ -321,6 +356,11 @@ def part_c(model: PreparedModel, args: argparse.Namespace) -> list[Row]:
         Row(f"mean TTFT, turn {after} (after restart)", mean(r.ttft for r in o), mean(r.ttft for r in p), "s",
             False, 0.1, "mlx_lm.server")
     ]  # fmt: skip
+    if before_root is not None:
+        n = trace.results["before"][after]
+        rows.append(Row(f"mean TTFT, turn {after} (after restart)", mean(r.ttft for r in o), mean(r.ttft for r in n), "s",
+                        False, None, servers["before"].label))  # fmt: skip
+        print_against_before(trace, list(range(1, after + 1)))
     print_table(f"(c) agent trace, restart after turn {args.restart_after}", rows)
     return rows
 
@@ -476,7 +516,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--before-root", default=None,
-        help="(b) also run the trace through `omlx serve` of this checkout (an earlier commit's, e.g. a git worktree)",
+        help="(b, c) also run the trace through `omlx serve` of this checkout (an earlier commit's, e.g. a git worktree)",
     )  # fmt: skip
     ap.add_argument("--json", help="also write the results to this JSON file")
     args = ap.parse_args()

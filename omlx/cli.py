@@ -17,19 +17,55 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
+from typer.core import TyperCommand
 
 from omlx.errors import ConfigError
-from omlx.settings import SETTINGS, load_settings
+from omlx.settings import SETTINGS, SETTINGS_BY_NAME, load_settings
 
 console = Console(stderr=True, soft_wrap=True)
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="oMLX: local LLM server on MLX.")
-models_app = typer.Typer(no_args_is_help=True, help="List and import models.")
+# Plain click help and usage errors: rich's help tables cut flag names at 80 columns, and its
+# markup would eat any [bracketed] text of a message.
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="oMLX: local LLM server on MLX."
+)
+models_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="List and import models.")
 app.add_typer(models_app, name="models")
+service_app = typer.Typer(
+    no_args_is_help=True, rich_markup_mode=None, help="Run the server as a systemd user unit or launchd agent."
+)
+app.add_typer(service_app, name="service")
+
+HELP_WIDTH = 80
+SERVE_EPILOG = (
+    "Each flag can also be set as OMLX_<NAME> or in $OMLX_HOME/settings.json; on/off flags have a "
+    "--no- form. Defaults and details: the settings table in README.md."
+)
 
 
 def fail(message: str, code: int = 2) -> None:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    """Print `message` as one line on stderr, verbatim (no markup), and exit with `code`."""
+    console.print(Text.assemble(("error:", "red"), " ", message), highlight=False)
     raise SystemExit(code)
+
+
+class ServeCommand(TyperCommand):
+    """`omlx serve --help`: one line per flag, its setting's summary."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        rows = []
+        for param in self.get_params(ctx):
+            setting = SETTINGS_BY_NAME.get(param.name or "")
+            if setting is not None:
+                rows.append((setting.flag, setting.summary))
+            elif getattr(param, "opts", None):  # --help
+                rows.append((param.opts[0], getattr(param, "help", None) or ""))
+        width = max(len(flag) for flag, _ in rows)
+        with formatter.section("Options"):
+            for flag, summary in rows:
+                formatter.write(f"  {flag:<{width}}  {summary}\n")
+        formatter.write_paragraph()
+        formatter.write_text(SERVE_EPILOG)
 
 
 def _serve_signature() -> inspect.Signature:
@@ -47,7 +83,9 @@ def _serve_signature() -> inspect.Signature:
 
 
 def serve(**cli: Any) -> None:
-    """Start the HTTP server (provisions the default model when the model dir is empty)."""
+    """Start the HTTP server.
+
+    An empty model dir gets the built-in default model first."""
     from omlx.platform_info import maybe_reexec_with_openblas, missing_backend
 
     if problem := missing_backend():
@@ -63,14 +101,14 @@ def serve(**cli: Any) -> None:
 
 
 serve.__signature__ = _serve_signature()  # type: ignore[attr-defined]
-app.command("serve")(serve)
+app.command("serve", cls=ServeCommand, context_settings={"max_content_width": HELP_WIDTH})(serve)
 
 
 @app.command()
 def diagnose(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """Print platform, MLX, device, memory, directories and discovered models."""
+    """Print platform, device, memory and models."""
     from omlx.platform_info import (
         BLAS_HINT,
         maybe_reexec_with_openblas,
@@ -224,6 +262,94 @@ def launch(
         if started is not None:
             srv.stop(started)
     raise SystemExit(code)
+
+
+# ----- omlx service ----------------------------------------------------------------------
+def _service(flags: dict[str, Any] | None = None) -> Any:
+    """This platform's service manager for the settings `flags` (given ones only) and OMLX_*."""
+    import os
+
+    from omlx.service import manager, spec_for
+    from omlx.settings import omlx_home
+
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    try:
+        load_settings(given)  # a bad value fails here, not when the service starts
+        texts = {k: (("true" if v else "false") if isinstance(v, bool) else str(v)) for k, v in given.items()}
+        return manager(spec_for(texts, dict(os.environ), omlx_home()))
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def _service_do(action: str, flags: dict[str, Any] | None = None) -> None:
+    service = _service(flags)
+    try:
+        print(getattr(service, action)())
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def service_install(**flags: Any) -> None:
+    """Install it with serve's flags; it starts at login."""
+    _service_do("install", flags)
+
+
+service_install.__signature__ = _serve_signature()  # type: ignore[attr-defined]
+service_app.command("install", cls=ServeCommand, context_settings={"max_content_width": HELP_WIDTH})(
+    service_install
+)
+
+
+@service_app.command("uninstall")
+def service_uninstall() -> None:
+    """Stop the service and remove it."""
+    _service_do("uninstall")
+
+
+@service_app.command("start")
+def service_start() -> None:
+    """Start the installed service."""
+    _service_do("start")
+
+
+@service_app.command("stop")
+def service_stop() -> None:
+    """Stop the service."""
+    _service_do("stop")
+
+
+@service_app.command("status")
+def service_status() -> None:
+    """The service manager's view of the service."""
+    _service_do("status")
+
+
+@service_app.command("logs")
+def service_logs(
+    lines: int = typer.Option(50, "-n", "--lines", help="How many of the last lines to print."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines."),
+) -> None:
+    """Print its log file (by default in $OMLX_HOME/logs)."""
+    import time
+
+    from omlx.server.log_setup import LOG_FILE
+    from omlx.service import installed_log_dir, tail
+
+    path = installed_log_dir(_service().spec) / LOG_FILE
+    if not path.exists():
+        fail(f"No log file at {path} yet: is the service installed and started?")
+    for line in tail(path, lines):
+        print(line)
+    if not follow:
+        return
+    with open(path, errors="replace") as f:
+        f.seek(0, 2)
+        while True:
+            line = f.readline()
+            if line:
+                print(line, end="", flush=True)
+            else:
+                time.sleep(0.5)
 
 
 def main() -> None:

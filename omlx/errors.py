@@ -81,13 +81,15 @@ class OverloadedError(OMLXError):
 
 
 class ServiceUnavailableError(OMLXError):
-    """The server cannot take this request now (it is shutting down): retry elsewhere or later (503)."""
+    """The server cannot take this request now (shutting down, over its memory limit): retry
+    elsewhere or later, after `retry_after` seconds where given (503)."""
 
     status = 503
     error_type = "server_error"
 
-    def __init__(self, message: str):
-        super().__init__(message, code="unavailable")
+    def __init__(self, message: str, retry_after: int | None = None, code: str = "unavailable"):
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
 
 
 class ModelLoadError(OMLXError):

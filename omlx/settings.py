@@ -23,6 +23,9 @@ def omlx_home() -> Path:
 
 @dataclass(frozen=True)
 class Setting:
+    """One setting. `help` is the README's description; `summary` is `omlx serve --help`'s
+    line (it fits 80 columns beside the flag)."""
+
     name: str
     type: type
     default: Any
@@ -31,6 +34,7 @@ class Setting:
     minimum: float | None = None
     # Defaults that depend on OMLX_HOME are shown as text and resolved at load time.
     default_doc: str | None = None
+    summary: str = ""
 
     @property
     def flag(self) -> str:
@@ -42,21 +46,31 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("host", str, "127.0.0.1", "Address to bind. Without an API key only loopback is safe."),
-    Setting("port", int, 8000, "TCP port to listen on.", minimum=1),
+    Setting("host", str, "127.0.0.1", "Address to bind. Without an API key only loopback is safe.", summary="Address to bind"),
+    Setting("port", int, 8000, "TCP port to listen on.", minimum=1, summary="TCP port to listen on"),
     Setting(
-        "model_dir", Path, None, "Folder scanned for models.", default_doc="$OMLX_HOME/models"
+        "model_dir", Path, None, "Folder scanned for models.", default_doc="$OMLX_HOME/models",
+        summary="Folder scanned for models",
     ),
-    Setting("model", str, None, "Model id to load at start (default: load on first request)."),
+    Setting("model", str, None, "Model id to load at start, first, besides the models loaded when the server last stopped and the pinned ones (others load on their first request).", summary="Model to load at start"),
     Setting(
         "api_key",
         str,
         None,
         "Require this key (Bearer or x-api-key) on every route but /health, / and the dashboard's login; "
         "the /admin dashboard asks for it at login.",
+        summary="Key required on all but /health and login",
     ),
     Setting(
-        "max_concurrent_requests", int, 8, "Sequences decoded together per model.", minimum=1
+        "metrics_public",
+        bool,
+        False,
+        "Serve /metrics without the API key (for a Prometheus scraper on a trusted network).",
+        summary="Serve /metrics without the API key",
+    ),
+    Setting(
+        "max_concurrent_requests", int, 8, "Sequences decoded together per model.", minimum=1,
+        summary="Sequences decoded together per model",
     ),
     Setting(
         "max_waiting_requests",
@@ -64,6 +78,7 @@ SETTINGS: tuple[Setting, ...] = (
         64,
         "Requests allowed to wait for a batch slot; beyond it 429 with Retry-After.",
         minimum=0,
+        summary="Requests that may wait; beyond it 429",
     ),
     Setting(
         "prefill_step_size",
@@ -71,6 +86,7 @@ SETTINGS: tuple[Setting, ...] = (
         512,
         "Prompt tokens prefilled per request per engine step (up to 8 requests at once), so running streams keep flowing. On a CUDA GPU keep it a multiple of the cache block size, so that MLX reuses its prefill attention graphs; there a request alone in its engine goes in chunks of its smallest multiple of at least 2048 tokens, as raw mlx-lm does.",
         minimum=16,
+        summary="Prompt tokens prefilled per request per step",
     ),
     Setting(
         "graph_warmup_tokens",
@@ -78,6 +94,7 @@ SETTINGS: tuple[Setting, ...] = (
         32768,
         "On a CUDA GPU, a model's engine feeds a dummy prompt of this many tokens (at most its context window, and a KV cache of about 5% of GPU memory) once after loading, in the chunks a lone prompt is prefilled in, while no model has requests (one that comes waits for at most the chunk in progress; the warm-up then drops what it fed and starts over when all are idle again, giving up after 8 interruptions): MLX then builds the attention graph of each chunk shape (tens of milliseconds each) before a user's long prompt needs it. 0 = off; ignored on other devices.",
         minimum=0,
+        summary="CUDA: dummy prompt that builds graphs (0=off)",
     ),
     Setting(
         "default_max_tokens",
@@ -85,6 +102,7 @@ SETTINGS: tuple[Setting, ...] = (
         4096,
         "Completion limit when a request sets none (always clamped to the context window).",
         minimum=1,
+        summary="Completion limit when a request sets none",
     ),
     Setting(
         "keepalive_interval",
@@ -92,6 +110,7 @@ SETTINGS: tuple[Setting, ...] = (
         10.0,
         "Seconds between keep-alives (SSE comment / Anthropic ping) on a stream until its first token.",
         minimum=0.05,
+        summary="Seconds between keep-alives until a 1st token",
     ),
     Setting(
         "compute_dtype",
@@ -99,18 +118,28 @@ SETTINGS: tuple[Setting, ...] = (
         "auto",
         "Dtype models compute in. auto: float32 on a CPU (fastest there), the model's own dtype on a GPU.",
         choices=("auto", "float32", "bfloat16", "float16", "native"),
+        summary="auto, float32, bfloat16, float16 or native",
     ),
     Setting(
         "max_model_memory",
         str,
         "80%",
         "Memory all loaded models may use together (bytes like 16GB or a share of RAM / GPU memory like 80%); least recently used idle models are unloaded to make room. 0 = no limit.",
+        summary="Memory loaded models may use (bytes or %)",
     ),
     Setting(
         "max_kv_memory",
         str,
         "auto",
         "KV cache memory one model's running sequences may hold (bytes like 8GB or a share like 30%). auto: what 90% of the device's memory (GPU memory, else RAM) leaves next to weights and other models; the hot cache tier yields first. A request waits until its prompt plus 512 tokens fit; a prompt that can never fit gets a 400; when decoding sequences outgrow it, the newest is paused and resumed later.",
+        summary="KV memory per model (bytes, % or auto)",
+    ),
+    Setting(
+        "max_process_memory",
+        str,
+        "0",
+        "Limit on the whole process's resident memory (bytes like 12GB or a share of RAM like 90%; 0 = no limit). Over it, in turn: MLX's freed buffers are handed back, idle unpinned models are unloaded (least recently used first), the RAM and hot cache tiers shrink, and new requests wait 2 s, then get 503 with Retry-After; a model load that would cross it gets that 503. Changes apply at once.",
+        summary="Limit on the process's memory (bytes or %)",
     ),
     Setting(
         "idle_timeout",
@@ -118,43 +147,50 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         "Unload a model after this many idle seconds (0 = never); a model's own ttl overrides it.",
         minimum=0,
+        summary="Unload a model after this many idle seconds",
     ),
-    Setting("cache_dir", Path, None, "SSD tier of the prefix cache.", default_doc="$OMLX_HOME/cache"),
+    Setting("cache_dir", Path, None, "SSD tier of the prefix cache.", default_doc="$OMLX_HOME/cache", summary="SSD tier of the prefix cache"),
     Setting(
-        "cache_block_size", int, 256, "Tokens per prefix-cache block.", minimum=16
+        "cache_block_size", int, 256, "Tokens per prefix-cache block.", minimum=16,
+        summary="Tokens per prefix-cache block",
     ),
     Setting(
         "stateful_block_size",
         str,
         "auto",
         "Tokens per prefix-cache block of a model with sliding-window or recurrent layers, whose every block also holds those layers' whole state: restores of such a model are granular to it. auto: the chunk a prompt alone is prefilled in (2048 on a CUDA GPU, --prefill-step-size elsewhere), so capturing the states never cuts a prefill chunk short.",
+        summary="Block tokens of window/recurrent models",
     ),
     Setting(
         "hot_cache_max_size",
         str,
         "10%",
         "Hot prefix-cache tier budget (device memory on a GPU, RAM otherwise): bytes like 2GB or a share like 20%.",
+        summary="Hot cache tier budget (bytes or %)",
     ),
     Setting(
         "ram_cache_max_size",
         str,
         "auto",
         "Warm prefix-cache tier in host RAM, between a discrete GPU's hot tier and the SSD: blocks pushed out of device memory are kept here. auto: 20% of RAM on a CUDA GPU, off where the hot tier is already RAM (CPU, Apple silicon). Bytes like 16GB, a share like 10%, or 0 (off).",
+        summary="RAM cache tier budget (bytes, %, auto or 0)",
     ),
     Setting(
         "ssd_cache_max_size",
         str,
         "10%",
         "SSD prefix-cache tier budget: bytes like 50GB or a share of the disk like 10%.",
+        summary="SSD cache tier budget (bytes or % of disk)",
     ),
-    Setting("hot_cache_only", bool, False, "Keep the prefix cache in memory only (no SSD tier)."),
-    Setting("no_cache", bool, False, "Disable the prefix cache entirely."),
+    Setting("hot_cache_only", bool, False, "Keep the prefix cache in memory only (no SSD tier).", summary="Keep the prefix cache in memory only"),
+    Setting("no_cache", bool, False, "Disable the prefix cache entirely.", summary="Disable the prefix cache"),
     Setting(
         "hf_endpoint",
         str,
         None,
         "Hugging Face hub URL for model downloads (a mirror); HF_ENDPOINT is honoured too.",
         default_doc="https://huggingface.co",
+        summary="Hugging Face hub URL for downloads",
     ),
     Setting(
         "log_level",
@@ -162,6 +198,31 @@ SETTINGS: tuple[Setting, ...] = (
         "info",
         "Log verbosity.",
         choices=("debug", "info", "warning", "error"),
+        summary="debug, info, warning or error",
+    ),
+    Setting(
+        "log_format",
+        str,
+        "text",
+        "Log lines as text or as one JSON object per line (time, level, logger, request_id, model, message), on stderr and in the log files.",
+        choices=("text", "json"),
+        summary="text or json (one object per line)",
+    ),
+    Setting(
+        "log_dir",
+        Path,
+        None,
+        "Also write the log to omlx.log in this folder, rolled over daily into omlx.log.YYYY-MM-DD.",
+        default_doc="(none: stderr only)",
+        summary="Also write daily log files here",
+    ),
+    Setting(
+        "log_retention_days",
+        int,
+        7,
+        "Days of rolled-over log files kept in --log-dir.",
+        minimum=1,
+        summary="Days of log files kept in --log-dir",
     ),
 )
 

@@ -828,8 +828,8 @@ def tier_bandwidths(cache_dir: Path, max_blocks: int, drop: bool) -> dict[str, f
 
     import mlx.core as mx
 
-    from omlx.cache.kv_layout import KV_STACK, join_blocks
-    from omlx.cache.ssd_tier import SSDTier, read_header
+    from omlx.cache.block.kv_layout import KV_STACK, join_blocks
+    from omlx.cache.tiers.ssd.tier import SSDTier, read_header
 
     files = sorted(cache_dir.rglob("*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
     if not files:

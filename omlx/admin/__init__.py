@@ -18,6 +18,7 @@ STATIC = Path(__file__).parent / "static"
 
 def install_admin(app: FastAPI) -> None:
     from omlx.admin import bench, downloads, routes
+    from omlx.admin.history import FILE_NAME, History
     from omlx.admin.log_buffer import install_log_buffer
     from omlx.admin.security import ApiKeyStore, LoginThrottle, SessionSigner, secret_from_env
     from omlx.platform_info import device_info
@@ -30,6 +31,7 @@ def install_admin(app: FastAPI) -> None:
     state.login_throttle = LoginThrottle()
     state.device = device_info()  # once, at start: the event loop never calls MLX
     state.bench = bench.BenchRunner(state.pool)
+    state.history = History(state.metrics, state.pool, state.cache, settings.home / FILE_NAME)
 
     # Discovery builds a new snapshot and swaps it in, so a download thread may refresh it.
     state.downloads = downloads.DownloadManager(settings, on_complete=state.pool.refresh)
@@ -54,9 +56,16 @@ def install_admin(app: FastAPI) -> None:
         return RedirectResponse("/admin")
 
 
+def start_admin(app: FastAPI) -> None:
+    """Start sampling the charts' history (from the app's lifespan, on the event loop)."""
+    app.state.history.start()
+
+
 def shutdown_admin(app: FastAPI) -> None:
-    """Stop running downloads and benchmarks (called from the app's lifespan)."""
+    """Stop running downloads and benchmarks, save the history (from the app's lifespan)."""
     state = app.state
+    if getattr(state, "history", None) is not None:
+        state.history.stop()
     if getattr(state, "downloads", None) is not None:
         state.downloads.shutdown()
     if getattr(state, "bench", None) is not None:

@@ -36,10 +36,11 @@ from omlx.settings import SETTINGS, SETTINGS_BY_NAME, convert, read_settings_fil
 log = logging.getLogger("omlx.admin")
 
 # Settings the running server picks up at once; every other one applies at the next start.
-LIVE_SETTINGS = {"default_max_tokens", "keepalive_interval", "idle_timeout", "log_level", "hf_endpoint"}
+LIVE_SETTINGS = {"default_max_tokens", "keepalive_interval", "idle_timeout", "log_level", "hf_endpoint",
+                 "max_process_memory"}
 # Not editable from the dashboard: the key is set by whoever starts the server.
 READ_ONLY_SETTINGS = {"api_key"}
-SIZE_SETTINGS = {"max_model_memory", "hot_cache_max_size", "ssd_cache_max_size"}
+SIZE_SETTINGS = {"max_model_memory", "hot_cache_max_size", "ssd_cache_max_size", "max_process_memory"}
 
 public = APIRouter(prefix="/api")  # login/logout/session: reachable without credentials
 router = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])
@@ -116,6 +117,12 @@ async def system(request: Request) -> dict[str, Any]:
         "model_dir": str(settings.model_dir),
         "counters": state.metrics.snapshot(),
     }
+
+
+@router.get("/history")
+async def history(request: Request) -> dict[str, Any]:
+    """The charts' points (admin/history.py), the last one live."""
+    return request.app.state.history.view()
 
 
 # ----- global settings ---------------------------------------------------------------

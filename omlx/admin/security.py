@@ -1,11 +1,10 @@
-"""Dashboard sessions (HMAC-signed cookies), inference-only sub-keys and a login throttle.
+"""Dashboard sessions (cookies signed with itsdangerous), inference-only sub-keys and a login throttle.
 
 Nothing here logs a key, a cookie or a hash. Every comparison of a secret is constant time.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 import json
@@ -17,18 +16,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from itsdangerous import BadSignature, URLSafeTimedSerializer
+
 from omlx.errors import InvalidRequestError, NotFoundError
 
 SESSION_MAX_AGE = 12 * 3600
 SUBKEY_PREFIX = "omlx-sk-"
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 def secret_from_env() -> bytes:
@@ -38,43 +31,35 @@ def secret_from_env() -> bytes:
 
 
 class SessionSigner:
-    """Issues and checks `payload.signature` tokens.
+    """Issues and checks session tokens: itsdangerous's timestamped, HMAC-SHA256-signed payloads.
 
-    The signing key is derived from the secret *and* the API key, so changing the API key
-    invalidates every session issued under the old one.
+    The signing key is derived from the secret *and* the API key (its hash is the salt), so
+    changing the API key invalidates every session issued under the old one.
     """
 
     def __init__(self, secret: bytes, api_key: str | None, max_age: int = SESSION_MAX_AGE):
-        bound = hashlib.sha256((api_key or "").encode()).digest()
-        self._key = hmac.new(secret, b"omlx-session\0" + bound, hashlib.sha256).digest()
+        bound = hashlib.sha256((api_key or "").encode()).hexdigest()
+        self._serializer = URLSafeTimedSerializer(
+            secret, salt=f"omlx-session:{bound}", signer_kwargs={"digest_method": hashlib.sha256}
+        )
         self.max_age = max_age
-        self._revoked: dict[str, float] = {}  # sid -> expiry, for logout
+        self._revoked: dict[str, float] = {}  # sid -> when its token expires anyway, for logout
         self._lock = threading.Lock()
 
-    def _sign(self, body: str) -> str:
-        return _b64(hmac.new(self._key, body.encode(), hashlib.sha256).digest())
-
     def issue(self) -> str:
-        payload = {"sid": secrets.token_hex(16), "exp": int(time.time()) + self.max_age}
-        body = _b64(json.dumps(payload, separators=(",", ":")).encode())
-        return f"{body}.{self._sign(body)}"
+        return self._serializer.dumps({"sid": secrets.token_hex(16)})
 
     def _payload(self, token: str | None) -> dict[str, Any] | None:
-        if not token or token.count(".") != 1:
-            return None
-        body, sig = token.split(".")
-        if not hmac.compare_digest(sig.encode(), self._sign(body).encode()):
+        if not token:
             return None
         try:
-            payload = json.loads(_unb64(body))
-        except ValueError:
+            payload = self._serializer.loads(token, max_age=self.max_age)
+        except BadSignature:  # tampered, foreign or expired (SignatureExpired is one)
             return None
-        if not isinstance(payload, dict) or not isinstance(payload.get("exp"), int):
-            return None
-        if payload["exp"] < time.time():
+        if not isinstance(payload, dict) or not isinstance(payload.get("sid"), str):
             return None
         with self._lock:
-            if payload.get("sid") in self._revoked:
+            if payload["sid"] in self._revoked:
                 return None
         return payload
 
@@ -88,7 +73,7 @@ class SessionSigner:
         now = time.time()
         with self._lock:
             self._revoked = {s: e for s, e in self._revoked.items() if e > now}
-            self._revoked[str(payload.get("sid"))] = float(payload["exp"])
+            self._revoked[payload["sid"]] = now + self.max_age
 
 
 def _hash_key(key: str) -> str:

@@ -1,40 +1,81 @@
-"""What an engine asks of a prefix cache (`PrefixCacheInterface`; every method on the engine's
-thread unless it says otherwise), and the cache that caches nothing (`NoCache`: `--no-cache`,
-and models the prefix cache cannot serve)."""
+"""What an engine asks of its model's prefix cache (`PrefixCacheInterface`, every member on the
+engine's thread), the shape of its blocks (`BlockSpec`), and the cache that caches nothing
+(`NoCache`: `--no-cache`, and models the prefix cache cannot serve)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from omlx.cache.block.kinds import CacheKinds
+from omlx.cache.loader.loading import Loading
+from omlx.cache.plan.restore_plan import RestorePlan
+
+# what the engine does to a restored (cache, tokens) before using it: cut it onto its prefill grid
+Fit = Callable[[list[Any] | None, int], tuple[list[Any] | None, int]]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """How a model's blocks are cut: `block_size` tokens (0: nothing is cached) and, where some layers are
+    not plain KV, their `kinds`: a prefill chunk then ends on each block boundary, where the engine takes
+    a `snapshot` of their state for `store` (docs/design/cache-kinds.md)."""
+
+    block_size: int = 0
+    kinds: CacheKinds | None = None
+
+    @property
+    def captures_states(self) -> bool:
+        """Whether the engine must end chunks on `capture_points` and take snapshots there."""
+        return self.block_size > 0 and self.kinds is not None
+
+    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
+        """The token indices where a prefill chunk must end for a `snapshot`: the block boundaries after
+        `cached` and before the prompt's last token; none for a plain-KV model."""
+        if not self.captures_states:
+            return []
+        size = self.block_size
+        return list(range((cached // size + 1) * size, prompt_len, size))
+
+    def at_boundary(self, length: int) -> bool:
+        """Whether a sequence of `length` tokens ends on a block boundary (a state to capture there)."""
+        return self.captures_states and length % self.block_size == 0
+
+    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
+        """The state of `cache`'s stateful layers at its current length (a batch of one, or that `row` of a
+        batch cache), for `store(boundary_states={length: snapshot})`; None: nothing to capture."""
+        if not self.captures_states:
+            return None
+        from omlx.cache.block import layer_states  # MLX: only where a model has such layers
+
+        return layer_states.snapshot(self.kinds, cache, row)
 
 
 @runtime_checkable
 class PrefixCacheInterface(Protocol):
-    """The contract between an engine and its model's prefix cache."""
+    """The contract between an engine and its model's prefix cache (docs/design/cache-threads.md)."""
 
-    block_size: int  # tokens per stored block (0: none)
-    # the engine's prefill grid: a restored prefix is used only up to a multiple of it, so
-    # `lookup` need not fetch what the engine would drop (0: none)
-    grid: int
+    blocks: BlockSpec
 
-    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
-        """The model's cache for the longest stored prefix of `tokens` worth restoring (at
-        least one token is left to compute), and its length; (None, 0) when none."""
+    def match(self, tokens: list[int], grid: int = 0, *, resumed: bool = False) -> RestorePlan:
+        """What `tokens` would restore (once per admission; no MLX, nothing read): at least one token is left
+        to compute; `grid`: the engine's prefill grid; `resumed`: a paused sequence's (not counted)."""
         ...
 
-    def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Any | None:
-        """Start making ready off the critical path what `lookup(tokens)` would restore from slow
-        tiers (None: nothing worth it); `on_done` is called (any thread) when reads are over, and
-        the result's `needs_engine` says whether `advance` has engine-thread work left."""
+    def load(self, plan: RestorePlan, on_ready: Callable[[], None] = lambda: None) -> Loading:
+        """Start carrying out `plan`: what it makes ready ahead begins (`on_ready`, any thread, when the reads
+        are over); the request waits (RESTORING) while the result's `pending` is true."""
         ...
 
-    def advance(self, prefetched: Any, move: bool, alone: bool = False) -> bool:
-        """A bounded piece of the prefetch's engine-thread work (only with `move`; `alone`:
-        nothing else runs or waits, so all of it); True once it is ready for `take`."""
+    def advance(self, loading: Loading, move: bool, alone: bool = False) -> bool:
+        """A bounded piece of `loading`'s engine-thread work (only with `move`; `alone`: nothing else runs or
+        waits, so all of it); True once it is ready for `cache_for`."""
         ...
 
-    def take(self, prefetched: Any) -> None:
-        """Make a finished prefetch's blocks available to the next `lookup`."""
+    def cache_for(self, loading: Loading, fit: Fit | None = None) -> tuple[list[Any] | None, int]:
+        """The model's cache for the plan (the rest restored in line) and its length, after `fit`; (None, 0)
+        when nothing is restored. Counts a request's prompt and its cached tokens (`plan.counted`)."""
         ...
 
     def store(
@@ -46,35 +87,9 @@ class PrefixCacheInterface(Protocol):
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
     ) -> int:
-        """Store the blocks of `tokens` from token `start` on that are not cached yet (with stateful
-        layers, up to the first block end missing from `boundary_states`); 0 when done, else where
-        the blocks left for a later call (same cache, while idle) begin."""
-        ...
-
-    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
-        """Token indices where a prefill chunk must end so that `snapshot` can be taken there
-        (block boundaries after `cached`); [] when the model's layers are all plain KV."""
-        ...
-
-    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
-        """The state of `cache`'s stateful layers at its current length (a batch of one, or that
-        `row` of a batch cache), for `store(boundary_states={length: snapshot})`; None: nothing to capture."""
-        ...
-
-    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count one request's prompt and the tokens of it served from the cache."""
-        ...
-
-    def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
-        """Whether a just-prefilled prompt has new full blocks worth storing now."""
-        ...
-
-    def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
-        """A measured prefill (`tokens` computed after `depth` restored ones)."""
-        ...
-
-    def prefill_seconds(self, tokens: int, depth: int) -> float | None:
-        """What prefilling `tokens` after `depth` cached ones takes here (None: not known)."""
+        """Store the blocks of `tokens` (final: what the engine keeps) from token `start` on not cached yet (with
+        stateful layers, up to the first block end missing from `boundary_states`); 0 when done, else where the
+        blocks left for a later call (same cache, while idle) begin."""
         ...
 
     def tick(self, idle: bool, *, quiet: bool = True) -> bool:
@@ -83,25 +98,21 @@ class PrefixCacheInterface(Protocol):
         tiers' timing and its measurements' save. True while more work waits (call again soon)."""
         ...
 
-    def write_back(self, idle: bool) -> bool:
-        """The write-back part of `tick`; True when it moved some and more wait."""
-        ...
-
-    def probe_idle(self) -> None:
-        """The idle part of `tick`: time a slow tier where a request would otherwise have to."""
-        ...
-
     def hold_writes(self, on: bool) -> None:
         """While on, background writes to slower tiers wait (a lone prompt's prefill)."""
+        ...
+
+    def yield_memory(self, nbytes: int) -> int:
+        """Move at least `nbytes` of device memory's blocks to slower tiers (or drop them), least recently
+        used first; the bytes freed."""
         ...
 
     def hot_bytes(self) -> int:
         """Bytes the hot tier holds in the device's memory."""
         ...
 
-    def yield_memory(self, nbytes: int) -> int:
-        """Move at least `nbytes` of hot blocks to slower tiers (or drop them), least recently
-        used first; the bytes freed."""
+    def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
+        """A measured prefill (`tokens` computed after `depth` restored ones)."""
         ...
 
     def close(self, timeout: float) -> None:
@@ -110,22 +121,21 @@ class PrefixCacheInterface(Protocol):
 
 
 class NoCache:
-    """The prefix cache that caches nothing: every lookup misses, every store is dropped."""
+    """The prefix cache that caches nothing: every plan restores nothing, every store is dropped."""
 
-    block_size = 0
-    grid = 0
+    blocks = BlockSpec()
 
-    def lookup(self, tokens: list[int]) -> tuple[list[Any] | None, int]:
-        return None, 0
+    def match(self, tokens: list[int], grid: int = 0, *, resumed: bool = False) -> RestorePlan:
+        return RestorePlan(len(tokens), 0, stores_after_prefill=False, counted=not resumed)
 
-    def prefetch(self, tokens: list[int], on_done: Callable[[], None]) -> Any | None:
-        return None
+    def load(self, plan: RestorePlan, on_ready: Callable[[], None] = lambda: None) -> Loading:
+        return Loading(plan)
 
-    def advance(self, prefetched: Any, move: bool, alone: bool = False) -> bool:
+    def advance(self, loading: Loading, move: bool, alone: bool = False) -> bool:
         return True
 
-    def take(self, prefetched: Any) -> None:
-        return None
+    def cache_for(self, loading: Loading, fit: Fit | None = None) -> tuple[list[Any] | None, int]:
+        return None, 0
 
     def store(
         self,
@@ -138,41 +148,20 @@ class NoCache:
     ) -> int:
         return 0
 
-    def capture_points(self, prompt_len: int, cached: int) -> list[int]:
-        return []
-
-    def snapshot(self, cache: list[Any], row: int | None = None) -> Any | None:
-        return None
-
-    def record(self, prompt_tokens: int, cached_tokens: int) -> None:
-        return None
-
-    def wants_prompt_blocks(self, prompt_tokens: int, cached_tokens: int) -> bool:
-        return False
-
-    def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
-        return None
-
-    def prefill_seconds(self, tokens: int, depth: int) -> float | None:
-        return None
-
     def tick(self, idle: bool, *, quiet: bool = True) -> bool:
         return False
-
-    def write_back(self, idle: bool) -> bool:
-        return False
-
-    def probe_idle(self) -> None:
-        return None
 
     def hold_writes(self, on: bool) -> None:
         return None
 
+    def yield_memory(self, nbytes: int) -> int:
+        return 0
+
     def hot_bytes(self) -> int:
         return 0
 
-    def yield_memory(self, nbytes: int) -> int:
-        return 0
+    def observe_prefill(self, tokens: int, depth: int, seconds: float) -> None:
+        return None
 
     def close(self, timeout: float) -> None:
         return None

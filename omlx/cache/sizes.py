@@ -7,28 +7,15 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from pydantic import ByteSize, TypeAdapter
+
 __all__ = ["parse_size", "format_size"]
 
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "ki": 2**10,
-    "kib": 2**10,
-    "mi": 2**20,
-    "mib": 2**20,
-    "gi": 2**30,
-    "gib": 2**30,
-    "ti": 2**40,
-    "tib": 2**40,
-}
+# pydantic's ByteSize reads the byte forms (a unit with an `i` is binary); it lacks the short
+# units (K, Mi, ...), which are spelled out for it here, and the "%" share, handled below.
+_BYTE_SIZE = TypeAdapter(ByteSize)
+_UNITS = {"", "b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib"}
+_SHORT = {"": "b", "k": "kb", "m": "mb", "g": "gb", "t": "tb", "ki": "kib", "mi": "mib", "gi": "gib", "ti": "tib"}
 
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*|%)\s*$")
 
@@ -59,12 +46,13 @@ def parse_size(text: str, *, total: int | None) -> int:
         if number > 100:
             raise ValueError(f"invalid size {text!r}: percentage above 100%")
         return int(Decimal(total) * number / 100)
+    unit = _SHORT.get(unit, unit)
     if unit not in _UNITS:
         raise ValueError(
             f"invalid size {text!r}: unknown unit {m.group(2)!r} "
             "(use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %)"
         )
-    return int(number * _UNITS[unit])
+    return int(_BYTE_SIZE.validate_python(f"{number}{unit}"))
 
 
 def format_size(n: int) -> str:

@@ -6,32 +6,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from omlx.cache.interface import PrefixCacheInterface
-
-
-def captures_states(prefix: PrefixCacheInterface) -> bool:
-    """The model has stateful layers (windows, recurrent arrays) whose state must be captured."""
-    block = prefix.block_size
-    return block > 0 and bool(prefix.capture_points(2 * block, 0))
+from omlx.cache.interface import BlockSpec
 
 
 class Captures:
-    """One sequence's snapshots by the token count they hold (`store`'s `boundary_states`)."""
+    """One sequence's snapshots by the token count they hold (`store`'s `boundary_states`), for a model
+    whose `blocks` capture states (`BlockSpec.captures_states`)."""
 
-    def __init__(self, prefix: PrefixCacheInterface, prompt_len: int, cached: int) -> None:
-        self.prefix = prefix
-        self.points = prefix.capture_points(prompt_len, cached)  # where prefill chunks must end
+    def __init__(self, blocks: BlockSpec, prompt_len: int, cached: int) -> None:
+        self.blocks = blocks
+        self.points = blocks.capture_points(prompt_len, cached)  # where prefill chunks must end
         self.states: dict[int, Any] = {}
 
     def take(self, cache: list[Any], length: int) -> None:
         """`cache` (a batch of one) holds `length` tokens now: keep its stateful layers' state."""
-        state = self.prefix.snapshot(cache)
+        state = self.blocks.snapshot(cache)
         if state is not None:
             self.states[length] = state
 
     def at_boundary(self, cache: list[Any], length: int) -> None:
         """`take` when `length` ends a block (a decode step crossed into the next one)."""
-        if length % self.prefix.block_size == 0:
+        if self.blocks.at_boundary(length):
             self.take(cache, length)
 
     def with_end(self, cache: list[Any], length: int) -> dict[int, Any]:

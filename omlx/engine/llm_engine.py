@@ -17,15 +17,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from omlx.cache.block.kv_layout import kv_bytes_per_token
 from omlx.cache.interface import NoCache, PrefixCacheInterface
-from omlx.cache.kv_layout import kv_bytes_per_token
 from omlx.engine import activity
 from omlx.engine.bridge import Bridge
 from omlx.engine.config import EngineConfig
 from omlx.engine.constraints import ConstraintError
 from omlx.engine.device_fault import DEVICE, DeviceLostError
 from omlx.engine.kv_budget import KvBudget
-from omlx.engine.layer_captures import captures_states
 from omlx.engine.output import Output
 from omlx.engine.prompt_logprobs import token_logprob
 from omlx.engine.request import GenerationEvent, GenerationRequest
@@ -71,7 +70,7 @@ class LLMEngine:
         self.eos_ids: list[int] = []
         self.model_vocab_size = 0
         self.prefix_cache: PrefixCacheInterface = NoCache()
-        self.prefill_quantum = self.config.prefill_grid(self.prefix_cache.block_size)
+        self.prefill_quantum = self.config.prefill_grid(self.prefix_cache.blocks.block_size)
         self.memory_bytes = 0  # measured on the engine thread after loading
         self.kv_budget: KvBudget | None = None  # measured at load (`kv_bytes_per_token`)
         # the longest sequence this device's memory could ever hold (None: not limited); routes
@@ -220,8 +219,8 @@ class LLMEngine:
             if self._prefix_cache_factory is not None:
                 self.prefix_cache = self._prefix_cache_factory(loaded)
                 # a stateful model's restored prefix is never cut to a grid (cache-kinds.md)
-                grid = 0 if captures_states(self.prefix_cache) else self.config.prefill_grid(self.prefix_cache.block_size)
-                self.prefill_quantum = self.prefix_cache.grid = grid
+                blocks = self.prefix_cache.blocks
+                self.prefill_quantum = 0 if blocks.captures_states else self.config.prefill_grid(blocks.block_size)
             # One stream per engine, for everything it computes (steps, restores, stores,
             # scoring): mlx-lm's default `generation_stream` is shared by every BatchGenerator in
             # the process, and mixing streams within an engine made MLX's CUDA backend hang.
@@ -237,7 +236,7 @@ class LLMEngine:
             self.graph_warmup_progress = self.runner.start_graph_warmup()
             self.max_sequence_tokens = self.kv_budget.most_tokens(self.memory_bytes)
             sched = self.scheduler
-            sched.budget, sched.memory, sched.block_size = self.kv_budget, self.runner, self.prefix_cache.block_size
+            sched.budget, sched.memory, sched.block_size = self.kv_budget, self.runner, self.prefix_cache.blocks.block_size
             return True
         except BaseException as exc:  # the thread's edge: reported to every waiter by wait_ready()
             DEVICE.check(exc)
@@ -405,7 +404,7 @@ class LLMEngine:
         self._apply(sched.update([out]))
         if state.status is Status.FINISHED:
             return  # that token ended it
-        runner.store_solo_prompt(state)
+        runner.prompts.store_solo_prompt(state)
         runner.join_batch(state, out.token)
         sched.joined_batch(state)
 
@@ -419,9 +418,9 @@ class LLMEngine:
         if plan.solo is not None and plan.solo.status is not Status.FINISHED and self.scheduler.waiting:
             # once its first token is out, for a request that waits (it may share that prompt); else the
             # request's end stores it, not its next tokens (docs/design/write-back.md, "Prompt stores")
-            self.runner.store_solo_prompt(plan.solo)
+            self.runner.prompts.store_solo_prompt(plan.solo)
         for state in result.prompt_stores:
-            self.runner.store_batch_prompt(state)
+            self.runner.prompts.store_batch_prompt(state)
         self.runner.clock.add("cache", PERF() - tic)
         return len(out.tokens)
 
@@ -460,7 +459,7 @@ class LLMEngine:
         state = sched.cancel(request_id)
         if state is None:
             return
-        self.runner.store_computed_prompt(state, due=state in sched.prompt_stores)
+        self.runner.prompts.store_computed_prompt(state, due=state in sched.prompt_stores)
         self.runner.drop(state)
         sched.forget(state)
         self.output.log_finished(state, "cancelled")

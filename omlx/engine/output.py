@@ -97,12 +97,15 @@ class Output:
             self.on_finished(
                 self.model_id,
                 {
+                    "request_id": state.id,
                     "finish_reason": reason,
                     "prompt_tokens": state.prompt_len,
                     "cached_tokens": state.cached_tokens,
                     "completion_tokens": state.completion_tokens,
                     "queue_s": state.queued,
                     "ttft_s": ttft,
+                    "decode_s": decode_s,
+                    "e2e_s": now - state.start,
                     "decode_tps": tps,
                 },
             )

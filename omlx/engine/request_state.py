@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from omlx.cache.loader.loading import Loading
+from omlx.cache.plan.restore_plan import RestorePlan
 from omlx.engine.request import GenerationEvent, GenerationRequest
 
 # A prompt's blocks are stored once the event loop has passed its first token on to the
@@ -45,7 +47,8 @@ class RequestState:
     first_out: bool = False  # its first event has left the event loop (`Bridge.stream`)
     taken: float | None = None  # when the engine first took it (a read-ahead may follow)
     queued: float = 0.0  # seconds from the API building the request to `taken`
-    prefetched: Any = None  # its finished read-ahead, for the runner's insert
+    plan: RestorePlan | None = None  # what its prompt restores (`match`, once per admission)
+    loading: Loading | None = None  # the plan being carried out, ahead of its insert
     admit_s: tuple[float, float] = (0.0, 0.0)  # finishing its prefix's stores, asking for a read-ahead
     # set when it is inserted
     uid: int = 0  # its BatchGenerator uid while it runs there (the runner's)
@@ -81,7 +84,7 @@ class RequestState:
         self.sampler = None
         self.processors = []
         self.stop_sequences = None
-        self.prefetched = None
+        self.loading = None
 
     def first_token_out(self) -> bool:
         """The event loop has passed the first token on, or `FIRST_TOKEN_GRACE_S` have passed

@@ -16,18 +16,20 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from omlx.cache.interface import PrefixCacheInterface
+from omlx.cache.loader.loading import Loading
+from omlx.cache.plan.restore_plan import RestorePlan
 from omlx.engine import load_warmup
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.graph_warmup import GraphWarmup
 from omlx.engine.kv_budget import KvBudget
-from omlx.engine.layer_captures import Captures, captures_states
+from omlx.engine.layer_captures import Captures
 from omlx.engine.prefill_pacing import paced_step
 from omlx.engine.prompt_logprobs import compute_prompt_logprobs
 from omlx.engine.request import GenerationEvent
 from omlx.engine.request_state import RequestState, Status, StepOut, StepPlan, TokenOut
-from omlx.engine.runner_stores import RunnerStores
+from omlx.engine.runner_stores import PromptStores
 from omlx.engine.sampling import (
     Guarded,
     build_logits_processors,
@@ -53,7 +55,7 @@ from omlx.engine.store_queue import StoreQueue
 log = logging.getLogger("omlx.engine")
 
 
-class Runner(RunnerStores):
+class Runner:
     """Runs what the scheduler planned for one loaded model (engine thread only)."""
 
     def __init__(
@@ -75,14 +77,15 @@ class Runner(RunnerStores):
         self.quantum = quantum  # the prefill grid (`EngineConfig.prefill_grid`)
         # windows / recurrent layers: the engine prefills every prompt itself, in chunks ending
         # on the cache's capture points, and snapshots their state (docs/design/cache-kinds.md)
-        self.stateful = captures_states(cache)
+        self.stateful = cache.blocks.captures_states
         self.eos_ids = eos_ids
         self.model_id = model_id
         self.stream = stream  # the engine's one MLX stream
         self.on_restored = on_restored  # a read-ahead's background reads are over
         # the prefill chunks' attention shapes this thread has built graphs for (`onto_built_shapes`)
         self.shapes = PrefillShapes(sdpa_graph_capacity()) if config.track_shapes else None
-        self.stores = StoreQueue(self.store)
+        self.prompts = PromptStores(cache, lambda: self.bg, model_id)  # its stores into the prefix cache
+        self.stores = StoreQueue(self.prompts.store)
         self.batch: dict[int, RequestState] = {}  # BatchGenerator uid -> its request
         self.graph_warmup: GraphWarmup | None = None
         self.buffers_dirty = False  # MLX's buffer cache holds what steps left: empty it when idle
@@ -146,17 +149,17 @@ class Runner(RunnerStores):
         for pr in prompt_responses:
             state = self._live(pr.uid)
             if pr.end_of_prompt and state is not None:
-                self._capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
+                self.prompts.capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
                 if single:  # timed alone: not stretched by others' decode steps
                     self.observe_prefill(state)
-                if self.wants_prompt_blocks(state):
+                if self.prompts.wants_prompt_blocks(state):
                     ended.append(state)
         outs = []
         for r in generation_responses:
             state = self._live(r.uid)
             if state is None:
                 continue
-            states = self._capture_in_batch(state, r)
+            states = self.prompts.capture_in_batch(state, r)
             outs.append(TokenOut(state, r.token, r.logprobs, r.finish_reason, r.prompt_cache, r.all_tokens, states))
             if r.finish_reason is not None:
                 del self.batch[r.uid]
@@ -179,7 +182,7 @@ class Runner(RunnerStores):
         if found is not None:
             tokens = list(found[1])
             states = state.captures.with_end(found[0], len(tokens)) if state.captures is not None else None
-            self.stores.add_pending(tokens, found[0], self.store(tokens, found[0], final=True, boundary_states=states), states)
+            self.stores.add_pending(tokens, found[0], self.prompts.store(tokens, found[0], final=True, boundary_states=states), states)
             self.cache.yield_memory((state.prompt_len + state.completion_tokens) * self.budget.bytes_per_token)
 
     def sampling_faults(self, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:
@@ -199,6 +202,15 @@ class Runner(RunnerStores):
     def yield_memory(self, nbytes: int) -> int:
         return self.cache.yield_memory(nbytes)
 
+    def cache_tick(self, idle: bool, *, quiet: bool) -> bool:
+        """The prefix cache's background work for this loop (`PrefixCacheInterface.tick`); True
+        while more waits. Caching is an optimisation: a failure is logged, never fails a request."""
+        try:
+            return self.cache.tick(idle, quiet=quiet)
+        except Exception:
+            log.exception("the prefix cache's background work for %s failed", self.model_id)
+            return False
+
     # ----- admission ---------------------------------------------------------------
     def admit(self, state: RequestState, alone: bool) -> Admitted:
         """Ask for the request's read-ahead the first time, else insert it (`alone`: it runs
@@ -209,36 +221,41 @@ class Runner(RunnerStores):
                 state.queued = max(0.0, time.time() - state.request.created)
                 self.stores.finish_for(state.request.prompt_tokens)
                 asked = time.perf_counter()
-                prefetched = self._read_ahead(state)
+                loading = self._read_ahead(state)
                 state.admit_s = (asked - state.taken, time.perf_counter() - asked)
-                if prefetched is not None:
-                    return Admitted(Admission.RESTORE, prefetched)
+                if loading is not None:
+                    return Admitted(Admission.RESTORE, loading)
             return self._insert(state, alone)
         except Exception as exc:  # the runner's boundary: this request fails, the engine goes on
             DEVICE.check(exc)
             log.exception("request %s failed at admission", state.id)
             return Admitted(Admission.FAILED, event=GenerationEvent(finish_reason="error", error=str(exc)))
 
-    def _read_ahead(self, state: RequestState) -> Any:
-        """The request's cached prefix made ready ahead (read from the SSD off this thread,
-        moved from RAM a chunk per loop while others run), or None."""
+    def _read_ahead(self, state: RequestState) -> Loading | None:
+        """The request's restore plan (`match`, once per admission), and its loading when some of it is
+        made ready ahead (read from the SSD off this thread, moved from RAM a chunk per loop while
+        others run): the request then waits, RESTORING; else None (restored in line at its insert)."""
         req = state.request
         if req.max_tokens <= 0:
             return None
-        prefetched = self.cache.prefetch(req.prompt_tokens, lambda: self.on_restored(state))
-        if prefetched is not None:
-            log.debug("request=%s restores its cached prefix ahead", req.request_id)
-        return prefetched
+        state.plan = self.cache.match(req.prompt_tokens, grid=self.quantum)
+        state.loading = self.cache.load(state.plan, lambda: self.on_restored(state))
+        if not state.loading.pending:
+            return None
+        log.debug("request=%s restores its cached prefix ahead", req.request_id)
+        return state.loading
 
-    def advance_restores(self, restoring: dict[RequestState, Any], mover: Any, alone: bool) -> list[tuple[RequestState, Any]]:
-        """A piece of each read-ahead's work (`mover` moves blocks on this thread, all of
+    def advance_restores(
+        self, restoring: dict[RequestState, Loading], mover: Loading | None, alone: bool
+    ) -> list[tuple[RequestState, Loading | None]]:
+        """A piece of each restore's work ahead (`mover` moves blocks on this thread, all of
         them when `alone`); those ready, with None for one that failed."""
-        ready: list[tuple[RequestState, Any]] = []
-        for state, prefetched in restoring.items():
+        ready: list[tuple[RequestState, Loading | None]] = []
+        for state, loading in restoring.items():
             try:
-                if self.cache.advance(prefetched, move=prefetched is mover, alone=alone):
-                    ready.append((state, prefetched))
-            except Exception:  # caching is an optimisation: `lookup` restores in line instead
+                if self.cache.advance(loading, move=loading is mover, alone=alone):
+                    ready.append((state, loading))
+            except Exception:  # caching is an optimisation: `cache_for` restores in line instead
                 log.exception("restoring the cached prefix of %s ahead failed", state.id)
                 ready.append((state, None))
         return ready
@@ -256,25 +273,19 @@ class Runner(RunnerStores):
         if req.max_tokens <= 0:
             event = GenerationEvent(finish_reason="length", prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
             return Admitted(Admission.ANSWERED, event=event)
-        if state.prefetched is not None:
-            self.cache.take(state.prefetched)
-            state.prefetched = None
-        looked = time.perf_counter()
-        cache, cached = align_cached(*self.cache.lookup(tokens), self.quantum)
-        own = alone or ((self.config.own_prefill or self.stateful) and len(tokens) - cached > 1)
+        if state.plan is None:  # asked for no read-ahead (no tokens to generate is answered above)
+            state.plan = self.cache.match(tokens, grid=self.quantum)
+        loading, state.loading = state.loading or self.cache.load(state.plan), None
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
-        shaped = time.perf_counter()
-        if own:
-            cache, cached = onto_built_shapes(
-                cache, cached, len(tokens), step, self.shapes, self.quantum, self.cache.prefill_seconds
-            )
+        looked = time.perf_counter()
+        cache, cached = self.cache.cache_for(loading, lambda c, n: self._fit(c, n, state.plan, alone, step))
+        own = self._owns_prefill(len(tokens) - cached, alone)
         if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
             now = time.perf_counter()
             log.debug(
-                "request=%s admitted in %.4fs: stores %.4fs, read-ahead asked %.4fs, lookup %.4fs, shapes %.4fs,"
+                "request=%s admitted in %.4fs: stores %.4fs, restore planned %.4fs, restored %.4fs,"
                 " other %.4fs (a read-ahead's wait, prompt logprobs)",
-                req.request_id, now - taken, *state.admit_s, shaped - looked, now - shaped,
-                looked - taken - sum(state.admit_s),
+                req.request_id, now - taken, *state.admit_s, now - looked, looked - taken - sum(state.admit_s),
             )  # fmt: skip
         self._prepare(state, cached, taken)
         if own:  # decodes alone, or is prefilled here and joins the batch with its last token
@@ -288,8 +299,20 @@ class Runner(RunnerStores):
             self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH
         state.pending.prompt_logprobs = prompt_logprobs
-        self.cache.record(len(tokens), cached)
         return Admitted(kind)
+
+    def _owns_prefill(self, left: int, alone: bool) -> bool:
+        """Whether the engine prefills a prompt with `left` tokens to compute (else the BatchGenerator)."""
+        return alone or ((self.config.own_prefill or self.stateful) and left > 1)
+
+    def _fit(self, cache: Any, cached: int, plan: RestorePlan, alone: bool, step: int) -> tuple[Any, int]:
+        """A restored prefix cut onto the prefill grid, and back to a multiple of the step where that trades
+        a graph build for a cheaper recompute (the plan's estimate: docs/design/prefill-grid.md)."""
+        tokens = plan.prompt_tokens
+        cache, cached = align_cached(cache, cached, self.quantum)
+        if self._owns_prefill(tokens - cached, alone):
+            cache, cached = onto_built_shapes(cache, cached, tokens, step, self.shapes, self.quantum, plan.recompute_seconds)
+        return cache, cached
 
     def _prepare(self, state: RequestState, cached: int, taken: float) -> None:
         """A request's decoding state, built as it is inserted."""
@@ -308,19 +331,20 @@ class Runner(RunnerStores):
         if req.constraint is not None:  # last: nothing after it can give a masked token back
             state.processors.append(Guarded(req.constraint.processor(state.prompt_len), unchanged))
         state.stop_sequences = stop_seqs
-        state.captures = Captures(self.cache, state.prompt_len, cached) if self.stateful else None
+        state.captures = Captures(self.cache.blocks, state.prompt_len, cached) if self.stateful else None
 
     def _resume(self, state: RequestState) -> None:
         """Insert a paused sequence again: its prompt and the tokens it generated, as far as
         cached, restored; it goes on from its last token."""
         tokens = state.request.prompt_tokens + state.generated
-        cache, cached = self.cache.lookup(tokens)
+        plan = self.cache.match(tokens, grid=self.quantum, resumed=True)
+        cache, cached = self.cache.cache_for(self.cache.load(plan))
         cached = min(cached, len(tokens) - 1)
         if cache is not None and plain_kv(cache) and cached < cache[0].offset:  # a stateful one is never trimmed
             for c in cache:
                 c.trim(c.offset - cached)
         if self.stateful:  # the rest goes through the BatchGenerator: only decode's boundaries are captured
-            state.captures = Captures(self.cache, len(tokens), len(tokens))
+            state.captures = Captures(self.cache.blocks, len(tokens), len(tokens))
         left = state.request.max_tokens - state.completion_tokens
         self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
 
@@ -340,7 +364,7 @@ class Runner(RunnerStores):
                 )
                 return None
             self.observe_prefill(state)
-            state.store_prompt = self.wants_prompt_blocks(state)
+            state.store_prompt = self.prompts.wants_prompt_blocks(state)
         # launch the next step unless this token is the last one allowed
         return self.solo_token(state, launch=state.completion_tokens + 1 < state.request.max_tokens)
 
@@ -358,7 +382,7 @@ class Runner(RunnerStores):
             return TokenOut(state, token, logprobs)
         if state.store_prompt:  # its prompt's own blocks (a tail keyed by the prompt alone), stored after its end
             state.store_prompt = False
-            self.stores.add(solo.fed[: self._prompt_stored(state)], solo.cache, self._states(state))
+            self.stores.add(solo.fed[: self.prompts.prompt_stored(state)], solo.cache, self.prompts.states(state))
         states = state.captures.with_end(solo.cache, len(solo.fed)) if state.captures is not None else None
         return TokenOut(state, token, logprobs, reason, prompt_cache=solo.cache, all_tokens=solo.fed, boundary_states=states)
 

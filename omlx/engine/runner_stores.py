@@ -1,26 +1,29 @@
-"""The runner's stores into the prefix cache: prompts after their prefill, what a cancelled
-request computed, and the layer states a stateful model's batch rows capture for them
-(docs/design/cache-kinds.md). Mixed into `Runner`; engine thread only."""
+"""The runner's stores into the prefix cache (`PromptStores`): prompts after their prefill, what a
+cancelled request computed, and the layer states a stateful model's batch rows capture for them
+(docs/design/cache-kinds.md). Engine thread only."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from omlx.cache.interface import PrefixCacheInterface
-from omlx.cache.tail_lookup import MIN_TAIL_ONLY_TOKENS
+from omlx.cache.plan.tails import MIN_TAIL_ONLY_TOKENS
 from omlx.engine.request_state import RequestState
 
 log = logging.getLogger("omlx.engine")
 
 
-class RunnerStores:
-    """`Runner`'s prefix-cache stores (its `cache`, `bg`, `model_id` and `stateful`)."""
+class PromptStores:
+    """One engine's stores into its prefix `cache`; `batch()` is the runner's current `BatchGenerator`
+    (a row's cache is extracted from it), `model_id` names the model in logs."""
 
-    cache: PrefixCacheInterface
-    bg: Any
-    model_id: str
-    stateful: bool
+    def __init__(self, cache: PrefixCacheInterface, batch: Callable[[], Any], model_id: str) -> None:
+        self.cache = cache
+        self.batch = batch
+        self.model_id = model_id
+        self.stateful = cache.blocks.captures_states
 
     def store(
         self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0, boundary_states: Any = None
@@ -33,38 +36,29 @@ class RunnerStores:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
             return 0
 
-    def cache_tick(self, idle: bool, *, quiet: bool) -> bool:
-        """The prefix cache's background work for this loop (`PrefixCacheInterface.tick`); True
-        while more waits. Caching is an optimisation: a failure is logged, never fails a request."""
-        try:
-            return self.cache.tick(idle, quiet=quiet)
-        except Exception:
-            log.exception("the prefix cache's background work for %s failed", self.model_id)
-            return False
-
     def store_batch_prompt(self, state: RequestState) -> None:
-        cache_and_tokens = self.bg.extract_cache([state.uid]).get(state.uid)
+        cache_and_tokens = self.batch().extract_cache([state.uid]).get(state.uid)
         if cache_and_tokens is not None:
             # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
             # so the same prompt finds it again (also after a restart)
-            prompt = list(cache_and_tokens[1])[: self._prompt_stored(state)]
-            if len(prompt) == self._prompt_stored(state) or self.cache.wants_prompt_blocks(len(prompt), state.cached_tokens):
-                self.store(prompt, cache_and_tokens[0], final=False, boundary_states=self._states(state))
+            prompt = list(cache_and_tokens[1])[: self.prompt_stored(state)]
+            if len(prompt) == self.prompt_stored(state) or state.plan.worth_storing(len(prompt), state.cached_tokens):
+                self.store(prompt, cache_and_tokens[0], final=False, boundary_states=self.states(state))
 
-    def _prompt_stored(self, state: RequestState) -> int:
+    def prompt_stored(self, state: RequestState) -> int:
         """Tokens of a prompt its store takes: a stateful model's tail ends where its prefill
         did, before the last token (the state held there serves the same prompt again)."""
         return state.prompt_len - 1 if state.captures is not None else state.prompt_len
 
-    def _states(self, state: RequestState) -> dict[int, Any] | None:
+    def states(self, state: RequestState) -> dict[int, Any] | None:
         return dict(state.captures.states) if state.captures is not None else None
 
     def store_solo_prompt(self, state: RequestState, now: bool = False) -> None:
         """A solo prefill's prompt blocks, once its first token is out (or `now`)."""
         if state.store_prompt and (now or state.first_token_out()):
             state.store_prompt = False
-            prompt = state.solo.fed[: self._prompt_stored(state)]
-            self.store(prompt, state.solo.cache, final=False, boundary_states=self._states(state))
+            prompt = state.solo.fed[: self.prompt_stored(state)]
+            self.store(prompt, state.solo.cache, final=False, boundary_states=self.states(state))
 
     def store_computed_prompt(self, state: RequestState, due: bool) -> None:
         """A request cancelled keeps what its prompt computed: a prompt store waiting for the
@@ -74,14 +68,14 @@ class RunnerStores:
             solo = state.solo
             if solo.prefilling:
                 fed = solo.fed[: state.prompt_len]
-                if self.cache.wants_prompt_blocks(len(fed), state.cached_tokens):
-                    self.store(fed, solo.cache, final=False, boundary_states=self._states(state))
+                if state.plan.worth_storing(len(fed), state.cached_tokens):
+                    self.store(fed, solo.cache, final=False, boundary_states=self.states(state))
             else:
                 self.store_solo_prompt(state, now=True)
         elif due or state.first_token is None:
             self.store_batch_prompt(state)
 
-    def _capture_in_batch(self, state: RequestState, r: Any) -> dict[int, Any] | None:
+    def capture_in_batch(self, state: RequestState, r: Any) -> dict[int, Any] | None:
         """A stateful batch row's state where this step made its length a block multiple; on its
         finish, all of its states with its end's (for the store)."""
         captures = state.captures
@@ -89,20 +83,20 @@ class RunnerStores:
             return None
         if r.finish_reason is not None:
             return captures.with_end(r.prompt_cache, len(r.all_tokens))
-        self._capture_row(state, state.prompt_len + state.completion_tokens + 1)  # this token is in now
+        self.capture_row(state, state.prompt_len + state.completion_tokens + 1)  # this token is in now
         return None
 
-    def _capture_row(self, state: RequestState, length: int) -> None:
+    def capture_row(self, state: RequestState, length: int) -> None:
         """A stateful batch row's state, taken when it holds `length` tokens, a block multiple."""
-        if state.captures is not None and length % self.cache.block_size == 0:
-            found = self.bg.extract_cache([state.uid]).get(state.uid)
+        if state.captures is not None and self.cache.blocks.at_boundary(length):
+            found = self.batch().extract_cache([state.uid]).get(state.uid)
             if found is not None:
                 state.captures.take(found[0], length)
 
     def wants_prompt_blocks(self, state: RequestState) -> bool:
         """Whether a just-prefilled prompt is worth storing now: new full blocks, or for a
         stateful model also a tail long enough to serve the same prompt again alone."""
-        cached = state.cached_tokens
+        cached, plan = state.cached_tokens, state.plan
         if self.stateful and state.prompt_len - 1 - cached >= MIN_TAIL_ONLY_TOKENS:
-            return self.cache.wants_prompt_blocks(cached + self.cache.block_size, cached)
-        return self.cache.wants_prompt_blocks(state.prompt_len, cached)
+            return plan.worth_storing(cached + self.cache.blocks.block_size, cached)
+        return plan.worth_storing(state.prompt_len, cached)

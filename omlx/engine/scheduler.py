@@ -13,8 +13,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Protocol
 
+from omlx.cache.loader.loading import Loading
 from omlx.engine.kv_budget import KvBudget
 from omlx.engine.output import Output
 from omlx.engine.request import GenerationEvent, GenerationRequest
@@ -37,7 +38,7 @@ class Memory(Protocol):
 class Admission(Enum):
     """What the runner made of a request the scheduler admitted."""
 
-    RESTORE = "restore"  # its cached prefix is being read ahead (`Admitted.prefetched`)
+    RESTORE = "restore"  # its cached prefix is being made ready ahead (`Admitted.loading`)
     SOLO = "solo"  # runs alone outside the BatchGenerator
     PREFILL = "prefill"  # prefilled by the engine, then joins the batch
     BATCH = "batch"  # inserted into the BatchGenerator
@@ -49,7 +50,7 @@ class Admission(Enum):
 @dataclass
 class Admitted:
     kind: Admission
-    prefetched: Any = None
+    loading: Loading | None = None
     event: GenerationEvent | None = None
 
 
@@ -65,7 +66,7 @@ class Scheduler:
         self.block_size = 0  # the prefix cache's (0: no in-flight prefix sharing)
         self.by_id: dict[str, RequestState] = {}  # every request held and not finished
         self.waiting: deque[RequestState] = deque()
-        self.restoring: dict[RequestState, Any] = {}  # -> its prefetch, until ready
+        self.restoring: dict[RequestState, Loading] = {}  # RESTORING -> its plan being carried out, until ready
         self.running: dict[int, RequestState] = {}  # by `seq`, in admission order
         self.solo: RequestState | None = None  # the one running alone, if any
         self.prefilling: list[RequestState] = []  # newcomers the engine prefills, in arrival order
@@ -149,11 +150,11 @@ class Scheduler:
 
     def moving_from_ram(self) -> bool:
         """A restore moves a cached prefix in from RAM on the engine thread (a chunk a loop)."""
-        return any(getattr(p, "needs_engine", False) for p in self.restoring.values())
+        return any(loading.needs_engine for loading in self.restoring.values())
 
-    def mover(self) -> Any:
-        """The one prefetch that moves blocks on the engine thread this loop, if any."""
-        return next((p for p in self.restoring.values() if getattr(p, "needs_engine", False)), None)
+    def mover(self) -> Loading | None:
+        """The one restore that moves blocks on the engine thread this loop, if any."""
+        return next((loading for loading in self.restoring.values() if loading.needs_engine), None)
 
     def hand_off_due(self) -> bool:
         """A second request arrived while one runs alone: that one joins the batch first."""
@@ -202,8 +203,9 @@ class Scheduler:
         """Record what the runner made of an admitted request."""
         kind = result.kind
         if kind is Admission.RESTORE:
+            assert result.loading is not None
             state.status = Status.RESTORING
-            self.restoring[state] = result.prefetched
+            self.restoring[state] = result.loading
             return
         if kind in (Admission.ANSWERED, Admission.FAILED):
             self.by_id.pop(state.id, None)
@@ -223,11 +225,11 @@ class Scheduler:
         elif kind is Admission.PREFILL:
             self.prefilling.append(state)
 
-    def restored(self, ready: list[tuple[RequestState, Any]]) -> None:
-        """Read-aheads that are over (`prefetched` None: failed): first in line, in order."""
-        for state, prefetched in reversed(ready):
+    def restored(self, ready: list[tuple[RequestState, Loading | None]]) -> None:
+        """Restores made ready ahead (None: failed, restored in line instead): first in line, in order."""
+        for state, loading in reversed(ready):
             del self.restoring[state]
-            state.prefetched = prefetched
+            state.loading = loading
             state.status = Status.WAITING
             self.waiting.appendleft(state)
 

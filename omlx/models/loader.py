@@ -2,20 +2,23 @@
 
 On a Linux CPU, MLX's quantized and half-precision kernels are far slower than
 float32 matrix products through BLAS, so `auto` dequantizes to float32 there; on
-a GPU (Metal, CUDA) the model keeps its own dtype and quantization.
+a GPU (Metal, CUDA) the model keeps its own dtype and quantization. A dequantized model's
+weights are kept in the compute dtype (`kept_weights`), so only its first load converts them.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import dequantize_model, load_model, load_tokenizer
 from mlx_lm.utils import load as mlx_lm_load
 
+from omlx.models import kept_weights
 from omlx.models.discovery import ModelInfo
 
 log = logging.getLogger("omlx.models")
@@ -43,16 +46,30 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
 
 
-def load_llm(info: ModelInfo, compute_dtype: str = "auto", context_cap: int | None = None) -> LoadedLLM:
-    """Load weights and tokenizer; must run on the engine's thread (it makes MLX calls)."""
-    model, tokenizer = mlx_lm_load(str(info.path))
+def load_llm(
+    info: ModelInfo, compute_dtype: str = "auto", context_cap: int | None = None, kept_root: Path | None = None
+) -> LoadedLLM:
+    """Load weights and tokenizer; must run on the engine's thread (it makes MLX calls).
+    With `kept_root`, a model dequantized here is saved there once and later read back."""
     dtype = resolve_compute_dtype(compute_dtype)
+    kept = None
+    if kept_root is not None and dtype in DTYPES and kept_weights.converts(info.config):
+        kept = kept_weights.kept_dir(kept_root, info, dtype)
+    if kept is not None and kept_weights.is_kept(kept):
+        model, config = load_model(kept)
+        tokenizer = load_tokenizer(info.path, eos_token_ids=config.get("eos_token_id"))
+        log.info("%s: read its %s weights kept in %s", info.id, dtype, kept)
+    else:
+        model, tokenizer = mlx_lm_load(str(info.path))
     if dtype in DTYPES:
-        if _is_quantized(model):
+        dequantized = _is_quantized(model)
+        if dequantized:
             dequantize_model(model)
             log.info("%s: dequantized to compute in %s (faster on this device)", info.id, dtype)
         model.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters())
+        if dequantized and kept is not None:
+            kept_weights.keep(model, info, dtype, kept_root)
     context = info.context_length or 4096
     if context_cap:
         context = min(context, context_cap)

@@ -28,7 +28,11 @@ from omlx.errors import (
 )
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
 from omlx.pool.memory import estimate_model_bytes
+from omlx.pool.memory_guard import MemoryGuard
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
+from omlx.pool.warm_start import FILE_NAME as WARM_FILE
+from omlx.pool.warm_start import LoadedModels, models_to_warm
+from omlx.server.log_setup import bind
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx.pool")
@@ -120,6 +124,10 @@ class EnginePool:
         self._load_lock = asyncio.Lock()  # one load at a time: memory is measured per load
         self._reaper: asyncio.Task | None = None
         self._collect_pending = False  # an unload's collection is due on the event loop
+        self.loads: dict[str, list[float]] = {}  # model -> [loads, seconds loading], for /metrics
+        self.unloads: dict[tuple[str, str], int] = {}  # (model, reason) -> count, for /metrics
+        self.loaded_models = LoadedModels(settings.home / WARM_FILE)  # loaded again at the next start
+        self.memory_guard: MemoryGuard | None = None  # --max-process-memory, set by the app
         self.refresh()
 
     # ----- discovery and names -----------------------------------------------------
@@ -175,6 +183,9 @@ class EnginePool:
             raise InvalidRequestError(
                 f"Model '{name}' is a {resolved.type} model, not a {kind} model.", param="model"
             )
+        bind(model=resolved.info.id)  # the request's later log lines name its model
+        if self.memory_guard is not None:
+            await self.memory_guard.admit()  # over the process memory limit: wait, then 503
         entry = await self._ensure_loaded(resolved)
         entry.engine.leases += 1
         entry.last_used = time.time()
@@ -210,6 +221,8 @@ class EnginePool:
             )
         estimate = estimate_model_bytes(info, self._compute_dtype(resolved.type))
         self._make_room(info.id, estimate)
+        if self.memory_guard is not None:
+            self.memory_guard.room_for(info.id, estimate)
         log.info("loading %s (%s, estimated %s)", info.id, resolved.type, format_size(estimate))
         self.loading.add(info.id)
         tic = time.perf_counter()
@@ -231,9 +244,14 @@ class EnginePool:
         entry = Entry(engine, estimate, now, now)
         self.entries[info.id] = entry
         freeze_heap()
+        seconds = time.perf_counter() - tic
+        self.loaded_models.loaded(info.id)
+        record = self.loads.setdefault(info.id, [0, 0.0])
+        record[0] += 1
+        record[1] += seconds
         log.info(
             "loaded %s in %.2fs: %s measured (estimate %s)",
-            info.id, time.perf_counter() - tic, format_size(engine.memory_bytes), format_size(estimate),
+            info.id, seconds, format_size(engine.memory_bytes), format_size(estimate),
         )
         return entry
 
@@ -260,7 +278,7 @@ class EnginePool:
             if used + need <= self.max_memory:
                 break
             log.info("evicting %s (least recently used) to make room for %s", mid, model_id)
-            self.unload(mid, collect=False)
+            self.unload(mid, collect=False, reason="lru")
             used -= memory
             evicted = True
         if evicted:
@@ -274,13 +292,26 @@ class EnginePool:
                 code="insufficient_memory",
             )
 
+    # ----- warm start ---------------------------------------------------------------
+    def models_to_warm(self, default: str | None = None) -> list[str]:
+        """What a start loads (`warm_start.models_to_warm`), of the models discovered now."""
+        known = self.discovery.models
+        pinned = sorted(m for m in known if self.model_settings.get(m).pinned)
+        wanted = models_to_warm(self.settings.model, self.loaded_models.ids, pinned, default)
+        gone = [m for m in wanted if m not in known and m != self.settings.model]
+        if gone:
+            log.info("not loading %s at start: no longer in the model dir", ", ".join(gone))
+        return [m for m in wanted if m not in gone]
+
     # ----- explicit control --------------------------------------------------------
     async def load(self, name: str) -> Entry:
         resolved = self.resolve(name)
+        bind(model=resolved.info.id)
         return await self._ensure_loaded(resolved)
 
-    def unload(self, model_id: str, collect: bool = True) -> bool:
-        """Stop a model's engine and let it go. What only the collector frees of it goes once
+    def unload(self, model_id: str, collect: bool = True, reason: str = "request") -> bool:
+        """Stop a model's engine and let it go (`reason` is counted for /metrics: request, lru,
+        idle, memory, shutdown). What only the collector frees of it goes once
         the callers are done (soon, on the event loop: until they return they may hold its
         entry, and a pass then would freeze it again for good), or when the caller, passing
         `collect=False`, calls `_collect_unloaded`."""
@@ -289,6 +320,9 @@ class EnginePool:
             return False
         entry.engine.shutdown()
         del entry
+        self.unloads[(model_id, reason)] = self.unloads.get((model_id, reason), 0) + 1
+        if reason != "shutdown":
+            self.loaded_models.unloaded(model_id)
         log.info("unloaded %s", model_id)
         if collect and not self._collect_pending:
             self._collect_pending = True  # one pass for the models unloaded meanwhile
@@ -364,7 +398,7 @@ class EnginePool:
                     expired.append(model_id)
         for model_id in expired:
             log.info("unloading %s after %ss idle", model_id, self.ttl_of(model_id))
-            self.unload(model_id)
+            self.unload(model_id, reason="idle")
         return expired
 
     def stop_generating(self, reason: str) -> None:
@@ -381,4 +415,4 @@ class EnginePool:
         for entry in list(self.entries.values()):  # all engines stop at once, then each is joined
             entry.engine.request_stop()
         for model_id in list(self.entries):
-            self.unload(model_id)
+            self.unload(model_id, reason="shutdown")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -13,13 +14,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from omlx import __version__
-from omlx.admin import install_admin, shutdown_admin
+from omlx.admin import install_admin, shutdown_admin, start_admin
 from omlx.admin.metrics import RequestMetrics
 from omlx.api.responses_models import ResponseStore
 from omlx.cache.prefix_cache import make_prefix_cache
 from omlx.cache.setup import build_cache_store
 from omlx.cache.sizes import parse_size
-from omlx.cache.store import CacheStore
+from omlx.cache.tiers.tiers import Tiers
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
 from omlx.engine.embedding_engine import encoder_factories
@@ -29,6 +30,7 @@ from omlx.models.discovery import ModelInfo
 from omlx.models.loader import load_llm
 from omlx.pool.engine_pool import EngineFactory, EnginePool
 from omlx.pool.memory import memory_limit_total
+from omlx.pool.memory_guard import MemoryGuard, parse_limit
 from omlx.pool.model_settings import ModelSettings
 from omlx.server.admin_routes import router as admin_router
 from omlx.server.anthropic_routes import router as anthropic_router
@@ -39,7 +41,9 @@ from omlx.server.errors import install_error_handlers
 from omlx.server.openai_chat import router as openai_chat_router
 from omlx.server.openai_routes import router as openai_router
 from omlx.server.openapi import install_openapi
+from omlx.server.prometheus import install_metrics
 from omlx.server.responses_routes import router as responses_router
+from omlx.server.startup import StartState, load_at_start
 from omlx.server.turn_memory import TurnMemory
 from omlx.settings import Settings
 
@@ -47,7 +51,7 @@ log = logging.getLogger("omlx.server")
 
 
 def llm_factory(
-    settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
+    settings: Settings, store: Tiers | None, on_finished: Callable[[str, dict], None] | None = None
 ) -> EngineFactory:
     try:
         kv_memory = None if settings.max_kv_memory == "auto" else parse_size(settings.max_kv_memory, total=memory_limit_total())
@@ -65,7 +69,7 @@ def llm_factory(
     def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
         return LLMEngine(
             info.id,
-            lambda: load_llm(info, settings.compute_dtype),
+            lambda: load_llm(info, settings.compute_dtype, kept_root=settings.home / "converted"),
             max_concurrent=settings.max_concurrent_requests,
             max_waiting=settings.max_waiting_requests,
             prefill_step_size=settings.prefill_step_size,
@@ -79,7 +83,7 @@ def llm_factory(
 
 
 def engine_factories(
-    settings: Settings, store: CacheStore | None, on_finished: Callable[[str, dict], None] | None = None
+    settings: Settings, store: Tiers | None, on_finished: Callable[[str, dict], None] | None = None
 ) -> dict[str, EngineFactory]:
     """One factory per model type; the pool routes each model to its engine kind."""
     return {"llm": llm_factory(settings, store, on_finished), **encoder_factories(settings)}
@@ -91,16 +95,26 @@ def create_app(settings: Settings) -> FastAPI:
         max_memory = parse_size(settings.max_model_memory, total=memory_limit_total())
     except ValueError as exc:
         raise ConfigError(f"Invalid value for max_model_memory: {exc}") from None
+    try:
+        parse_limit(settings.max_process_memory)
+    except ValueError as exc:
+        raise ConfigError(f"Invalid value for max_process_memory: {exc}") from None
     metrics = RequestMetrics()
     pool = EnginePool(settings, engine_factories(settings, store, metrics.record), max_memory=max_memory)
+    pool.memory_guard = MemoryGuard(pool, store, lambda: settings.max_process_memory)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         pool.start_reaper()
-        if settings.model:
-            log.info("preloading model %s", settings.model)
-            await pool.load(settings.model)
+        pool.memory_guard.start()
+        start_admin(app)
+        # set by the runner: the default model it provisioned now, and whether uvicorn listens
+        pool.refresh()  # that model came after the pool's first scan
+        app.state.start = StartState(pool.models_to_warm(getattr(app.state, "provisioned", None)))
+        starting = asyncio.create_task(load_at_start(app, getattr(app.state, "listening", lambda: True)))
         yield
+        starting.cancel()
+        pool.memory_guard.stop()
         shutdown_admin(app)
         pool.shutdown()
         if store is not None:
@@ -120,9 +134,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(BodyLimits)
 
     @app.get("/health", response_model=None)
-    async def health() -> dict[str, str] | JSONResponse:
+    async def health(request: Request) -> dict[str, str] | JSONResponse:
         if DEVICE.lost is not None:  # the process is shutting down to be restarted
             return JSONResponse({"status": "unhealthy", "reason": f"the GPU failed: {DEVICE.lost}"}, status_code=503)
+        start = getattr(request.app.state, "start", None)
+        if start is not None and not start.ready:  # the warm-start models are loading
+            return JSONResponse({"status": "loading", "models": start.pending}, status_code=503,
+                                headers={"Retry-After": "1"})
         return {"status": "ok"}
 
     @app.head("/")
@@ -150,4 +168,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(responses_router, dependencies=[Depends(require_api_key)])
     install_admin(app)
     install_openapi(app)  # /openapi.json, behind the API key like /v1
+    install_metrics(app)  # /metrics, behind the API key unless --metrics-public
     return app

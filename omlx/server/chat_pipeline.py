@@ -25,6 +25,7 @@ from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_
 from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.generation import completion_budget, event_error, sampling_params
+from omlx.server.log_setup import bind
 from omlx.server.structured import build_constraint, tool_forcing
 from omlx.server.turn_memory import GeneratedTurn, TurnMemory, answer_prefill
 
@@ -210,6 +211,7 @@ async def prepare_chat(
         logprobs=turn.logprobs,
         constraint=constraint,
     )
+    bind(request_id=request.request_id)
     return PreparedChat(
         request, family, tools, reasoning, starts_in_reasoning, think_start, think_end, list(turn.warnings),
         memory, engine.model_id, turn.messages,

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omlx.errors import OMLXError, OverloadedError
+from omlx.errors import OMLXError
 from omlx.server.disconnect import ClientDisconnected, client_closed_response
 
 log = logging.getLogger("omlx.server")
@@ -81,10 +81,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OMLXError)
     async def _omlx(request: Request, exc: OMLXError) -> JSONResponse:
         headers = None
-        if isinstance(exc, OverloadedError):
-            headers = {"Retry-After": str(exc.retry_after)}
-        if exc.status >= 500:
-            log.error("%s %s failed: %s", request.method, request.url.path, exc.message)
+        retry_after = getattr(exc, "retry_after", None)  # OverloadedError's, a 503's over the memory limit
+        if retry_after is not None:
+            headers = {"Retry-After": str(retry_after)}
+        if exc.status >= 500:  # ours; one to retry (Retry-After) is a state, not a fault
+            level = logging.WARNING if retry_after is not None else logging.ERROR
+            log.log(level, "%s %s failed: %s", request.method, request.url.path, exc.message)
         return error_response(
             request, exc.status, exc.message, error_type=exc.error_type, param=exc.param,
             code=exc.code, headers=headers,

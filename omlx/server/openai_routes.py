@@ -28,6 +28,7 @@ from omlx.server.generation import (
     sampling_params,
     usage_dict,
 )
+from omlx.server.log_setup import bind
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 from omlx.server.structured import build_constraint
 
@@ -170,6 +171,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
         )
         requests += fan_out(base, body.n)
     rid = requests[0].request_id.rsplit("-", 1)[0] if body.n > 1 else requests[0].request_id
+    bind(request_id=rid)
     created = int(time.time())
     prompt_texts = [tokenizer.decode(p) for p in prompts for _ in range(body.n)] if body.echo else []
     engine.reserve(requests)

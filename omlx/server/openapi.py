@@ -71,7 +71,8 @@ STATUS_TEXT = {
     429: "Overloaded: retry after the Retry-After header's seconds",
     500: "The engine failed while serving the request",
     502: "The model hub failed or could not be reached",
-    503: "The server is shutting down or lost its GPU; retry shortly",
+    503: "The server is shutting down, lost its GPU, or is over its process memory limit "
+         "(then with Retry-After); retry shortly",
     507: "Not enough memory to load the model",
 }
 

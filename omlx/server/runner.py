@@ -41,21 +41,14 @@ class StoppingServer(uvicorn.Server):
             self._on_exit()
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        force=True,
-    )
-
-
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
-def prepare_model_dir(settings: Settings) -> None:
-    """Check the model dir; provision the built-in default model when it holds none."""
+def prepare_model_dir(settings: Settings) -> str | None:
+    """Check the model dir; provision the built-in default model when it holds none (and
+    return its id: a fresh install loads it at start)."""
     from omlx.models.discovery import discover_models
 
     root = settings.model_dir
@@ -70,7 +63,7 @@ def prepare_model_dir(settings: Settings) -> None:
     for problem in found.problems:
         log.warning("skipping %s: %s", problem.path, problem.reason)
     if found.models:
-        return
+        return None
     from omlx.models.default_model import DEFAULT_MODEL_ID, provision_default_model
 
     print(f"No models in {root}: provisioning the built-in default model {DEFAULT_MODEL_ID}…", file=sys.stderr)
@@ -85,10 +78,16 @@ def prepare_model_dir(settings: Settings) -> None:
             )
     except Exception as exc:  # report the reason in one line; the server cannot start without a model
         _fail(f"Could not provision {DEFAULT_MODEL_ID}: {exc}")
+    return DEFAULT_MODEL_ID
 
 
 def run_server(settings: Settings) -> None:
-    configure_logging(settings.log_level)
+    from omlx.server.log_setup import configure_logging
+
+    try:
+        configure_logging(settings.log_level, settings.log_format, settings.log_dir, settings.log_retention_days)
+    except OSError as exc:
+        _fail(f"Log dir {settings.log_dir} is not usable ({exc.strerror}). Pass --log-dir with a writable folder.")
     # MLX's CUDA backend compiles kernels at run time and caches them under /tmp by default,
     # which a reboot empties; keep them with oMLX's other state so only the first start pays.
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(settings.home / "kernel-cache"))
@@ -124,18 +123,20 @@ def run_server(settings: Settings) -> None:
         app = create_app(settings)  # validates every setting before a slow first-run provisioning
     except ConfigError as exc:
         _fail(str(exc))
-    prepare_model_dir(settings)
+    app.state.provisioned = prepare_model_dir(settings)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM and then re-raises the signal; with no-op
     # handlers in place that re-raise ends nothing, so Ctrl-C is a clean exit instead of a
     # KeyboardInterrupt traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     DEVICE.on_lost(shut_down_when_device_lost())
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+    config = uvicorn.Config(  # log_config=None: uvicorn's lines go through our handlers and format
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False, log_config=None,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    StoppingServer(config, on_exit=lambda: app.state.pool.stop_generating(SHUTDOWN_MESSAGE)).run()
+    server = StoppingServer(config, on_exit=lambda: app.state.pool.stop_generating(SHUTDOWN_MESSAGE))
+    app.state.listening = lambda: server.started  # the start's models are loaded, then "ready" is logged
+    server.run()
     # The engines, SSD writer and downloads were stopped by the app's shutdown. Leave without
     # the interpreter's teardown: MLX's stream threads abort the process there ("terminate
     # called without an active exception") once a model has generated on an engine thread.

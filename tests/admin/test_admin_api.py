@@ -21,7 +21,9 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("admin-api")
     models = writable_model_dir(tiny_model_dir, root)
-    srv = start_server(root / "home", models, "--api-key", API_KEY)
+    srv = start_server(root / "home", models, "--api-key", API_KEY,
+                       "--log-dir", str(root / "logs"), "--log-format", "json")
+    srv.log_dir = root / "logs"
     yield srv
     srv.stop()
     shutil.rmtree(root, ignore_errors=True)
@@ -269,6 +271,82 @@ def test_system_counts_requests_and_tokens(server, admin):
     assert entry["id"] == "tiny-llama"
     # only a CUDA engine warms attention graphs, up to its context window (the tiny model's 2,048)
     assert entry["graph_warmup"] is None or entry["graph_warmup"]["target"] == 2048
+
+
+# ----- log files -----------------------------------------------------------------------
+def test_log_file_has_one_json_object_per_line_with_request_id_and_model(server):
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "log me"}], "max_tokens": 2})
+    request_id = r.json()["id"]
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        lines = [json.loads(line) for line in (server.log_dir / "omlx.log").read_text().splitlines()]
+        mine = [line for line in lines if line["request_id"] == request_id]
+        if mine:
+            break
+        time.sleep(0.1)
+    assert all({"time", "level", "logger", "request_id", "model", "message"} <= set(line) for line in lines)
+    assert any("Uvicorn running on" in line["message"] for line in lines)  # uvicorn's lines too
+    assert mine and all(line["model"] == "tiny-llama" for line in mine)
+    assert any("completion=" in line["message"] for line in mine)  # the engine thread's request line
+
+
+# ----- /metrics -------------------------------------------------------------------------
+def scrape(server, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:
+    """/metrics parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.base_url + "/metrics", headers=headers if headers is not None else AUTH)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def test_metrics_count_exactly_the_traffic_sent(server):
+    assert httpx.get(server.base_url + "/metrics").status_code == 401  # protected like /v1
+    before = scrape(server)
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    prompt = [{"role": "user", "content": "metrics are counted here " * 40}]
+    usages = [client.chat.completions.create(model="tiny-llama", messages=prompt, max_tokens=5).usage
+              for _ in range(2)]  # the second restores the first's prompt
+    stream = client.chat.completions.create(model="tiny-llama", messages=prompt, max_tokens=3, stream=True,
+                                            stream_options={"include_usage": True})
+    usages += [chunk.usage for chunk in stream if chunk.usage]
+    r = httpx.post(server.base_url + "/v1/messages", headers=AUTH, timeout=60, json={
+        "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "and this one"}]})
+    anthropic_usage = r.json()["usage"]
+    after = scrape(server)
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    m = {"model": "tiny-llama"}
+    assert delta("omlx_request_success_total", endpoint="chat_completions", **m) == 3
+    assert delta("omlx_request_success_total", endpoint="messages", **m) == 1
+    prompt_tokens = sum(u.prompt_tokens for u in usages) + anthropic_usage["input_tokens"] + \
+        anthropic_usage["cache_read_input_tokens"]
+    completion = [u.completion_tokens for u in usages] + [anthropic_usage["output_tokens"]]
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages) + anthropic_usage["cache_read_input_tokens"]
+    assert cached >= 2 * 200  # the second and third requests restored the prompt
+    assert delta("omlx_prompt_tokens_total", **m) == delta("omlx_prefix_cache_queries_total", **m) == prompt_tokens
+    assert delta("omlx_generation_tokens_total", **m) == sum(completion)
+    assert delta("omlx_prefix_cache_hits_total", **m) == cached
+    assert delta("omlx_time_to_first_token_seconds_count", **m) == sum(1 for c in completion if c)
+    assert delta("omlx_inter_token_latency_seconds_count", **m) == sum(c - 1 for c in completion if c > 1)
+    assert delta("omlx_e2e_request_latency_seconds_count", **m) == 4
+    assert delta("omlx_e2e_request_latency_seconds_bucket", le="+Inf", **m) == 4
+    assert delta("omlx_request_queue_time_seconds_count", **m) == 4
+    assert total(after, "omlx_num_requests_running", **m) == 0
+    assert total(after, "omlx_model_loaded", **m) == 1 and total(after, "omlx_model_loads_total", **m) >= 1
+    assert delta("omlx_cache_tier_hits_total", tier="hot") >= 2  # the restores' blocks
+    assert total(after, "omlx_cache_bytes", tier="hot") > 0
+    assert total(after, "omlx_process_memory_bytes") > 0 and total(after, "omlx_device_memory_bytes", kind="active") > 0
 
 
 # ----- model files ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.admin.conftest import API_KEY, HUB_REPO, start_server, writable_model_dir
@@ -165,9 +166,13 @@ def test_04_markdown_escapes_html_and_highlights_code(page, server):
     html = page.evaluate("Markdown.render('<img src=x onerror=alert(1)> **b** `c`\\n\\n```python\\ndef f(x):\\n    return \"s\"  # c\\n```')")
     assert "<img" not in html and "&lt;img" in html
     assert "<strong>b</strong>" in html and "<code>c</code>" in html
-    assert '<span class="tok-kw">def</span>' in html and '<span class="tok-str">&quot;s&quot;</span>' in html
-    assert '<span class="tok-com"># c</span>' in html
-    assert page.evaluate("Markdown.render('[x](javascript:alert(1))')").find("<a") == -1
+    assert '<span class="hljs-keyword">def</span>' in html and '<span class="hljs-string">"s"</span>' in html
+    assert '<span class="hljs-comment"># c</span>' in html
+    assert "javascript:" not in page.evaluate("Markdown.render('[x](javascript:alert(1))')")
+    link = page.evaluate("Markdown.render('[x](https://example.org/a)')")
+    assert 'target="_blank"' in link and 'rel="noopener noreferrer"' in link
+    streaming = page.evaluate("Markdown.render('```js\\nlet a = 1')")  # a fence not closed yet
+    assert '<span class="hljs-keyword">let</span>' in streaming
 
 
 def test_05_settings_persist_after_reload(page, server, screens):
@@ -238,14 +243,57 @@ def test_08_logs_tail_and_overview(page, server, screens):
     shot(page, screens, "02-overview-after")
 
 
-def test_09_no_console_errors_and_nothing_fetched_from_outside(page):
+def metric_samples(server) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_09_charts_show_what_metrics_count(page, server, screens):
+    """After the traffic above (chats, a cancelled chat, the benchmark), all finished."""
+    go(page, server, "overview")
+    page.wait_for_function("window.omlxHistory && document.querySelector('[data-latest=mem_hot]').textContent !== '—'")
+    history = page.evaluate("window.omlxHistory")
+    m = metric_samples(server)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(v for (n, ls), v in m.items() if n == name and set(labels.items()) <= set(ls))
+
+    points = history["points"]
+    assert history["kept_across_restarts"] and points[-1]["live"]
+    assert sum(p["requests"] for p in points) == total("omlx_request_success_total") >= 5
+    assert sum(p["generation_tokens"] for p in points) == total("omlx_generation_tokens_total")
+    assert sum(p["prompt_tokens"] for p in points) == total("omlx_prompt_tokens_total")
+    assert sum(p["ttft_count"] for p in points) == total("omlx_time_to_first_token_seconds_count")
+    hits, misses = (sum(p[k]["hot"] for p in points) for k in ("hits", "misses"))
+    assert (hits, misses) == (total("omlx_cache_tier_hits_total", tier="hot"), total("omlx_cache_tier_misses_total", tier="hot"))
+    # the latest values as shown
+    hot_bytes = total("omlx_cache_bytes", tier="hot")
+    assert points[-1]["bytes"]["hot"] == hot_bytes > 0
+    assert page.inner_text("[data-latest=mem_hot]") == page.evaluate(f"fmt.bytes({hot_bytes})")
+    assert page.inner_text("[data-latest=hit_hot]") != "—"
+    p95 = next(p["ttft_p95"] for p in reversed(points) if p["ttft_p95"] is not None)
+    assert page.inner_text("[data-latest=ttft_p95]") == page.evaluate(f"fmt.secs({p95})")
+    buckets = sorted((float(dict(ls)["le"]), v) for (n, ls), v in m.items()
+                     if n == "omlx_time_to_first_token_seconds_bucket")
+    count = total("omlx_time_to_first_token_seconds_count")
+    slowest = min(le for le, v in buckets if sum(c for b, c in buckets if b == le) == count)
+    assert 0 < p95 <= slowest  # within the histogram's observations
+    assert page.locator(".chart canvas").count() == 5
+    page.locator(".chart-grid").scroll_into_view_if_needed()
+    shot(page, screens, "11-overview-charts")
+
+
+def test_10_no_console_errors_and_nothing_fetched_from_outside(page):
     # The one expected error: the browser logs the 401 of the deliberate wrong login.
     problems = [p for p in page.problems if "status of 401" not in p]
     assert problems == []
     assert len(page.problems) - len(problems) <= 1
 
 
-def test_10_sign_out(page, server):
+def test_11_sign_out(page, server):
     page.click("#logout")
     page.wait_for_selector("#login:not(.hidden)")
     page.goto(server.base_url + "/admin#/settings")

@@ -87,3 +87,18 @@ def test_every_other_route_needs_a_key_and_sub_keys_only_open_inference(walked):
             assert as_subkey not in (401, 403), where
         assert call(client, method, path, MAIN) not in (401, 403), where
     assert {p for _, p in guarded if not p.startswith("/api/")} >= {"/openapi.json", "/v1/chat/completions"}
+
+
+def test_metrics_public_opens_only_metrics(omlx_home, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from omlx.server.app import create_app
+    from omlx.settings import load_settings
+
+    settings = load_settings({"model_dir": str(tmp_path), "api_key": API_KEY, "no_cache": True,
+                              "metrics_public": True})
+    app = create_app(settings)
+    with TestClient(app, base_url="http://localhost") as client:
+        scraped = client.get("/metrics")
+        assert scraped.status_code == 200 and "omlx_process_memory_bytes" in scraped.text
+        assert client.get("/v1/models").status_code == 401

@@ -66,8 +66,8 @@ def test_a_restore_past_2_31_elements_prefills():
     done = run(f"""
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
-        from omlx.cache.block import CacheBlock
-        from omlx.cache.kv_layout import KV_STACK, MAX_ARRAY_ELEMENTS, join_blocks
+        from omlx.cache.block.block import CacheBlock
+        from omlx.cache.block.kv_layout import KV_STACK, MAX_ARRAY_ELEMENTS, join_blocks
         T, B, L = {TOKENS}, 256, 32
         blocks = []
         for i in range(T // B):

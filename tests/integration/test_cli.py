@@ -78,3 +78,41 @@ def test_models_list_shows_models_and_reports_malformed_folders(tiny_model_dir, 
     assert "tiny-llama\tllm\tctx=2048" in result.stdout
     result = omlx("models", "list", "--model-dir", str(tmp_path / "absent"), home=tmp_path)
     assert_one_line_error(result, "does not exist")
+
+
+def test_serve_help_is_one_line_per_flag_at_80_columns(tmp_path):
+    from omlx.settings import SETTINGS
+
+    result = omlx("serve", "--help", home=tmp_path, env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
+    for s in SETTINGS:
+        assert s.summary, f"{s.name} has no summary"
+        mine = [line for line in lines if line.split()[:1] == [s.flag]]
+        assert len(mine) == 1 and mine[0].endswith(s.summary), (s.flag, mine)
+
+
+# A real `omlx serve` whose package metadata lacks MLX's Linux backends (as after `pip install omlx`
+# without an extra): the error names the extra with its brackets.
+WITHOUT_BACKEND = """
+import importlib.metadata as md, sys
+from omlx.platform_info import LINUX_BACKENDS
+real = md.version
+def version(name):
+    if name in LINUX_BACKENDS:
+        raise md.PackageNotFoundError(name)
+    return real(name)
+md.version = version
+sys.argv = ["omlx", "serve"]
+from omlx.cli import main
+main()
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the backend extras exist on Linux only")
+def test_errors_reach_the_terminal_verbatim(tmp_path):
+    result = subprocess.run([sys.executable, "-c", WITHOUT_BACKEND], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "OMLX_HOME": str(tmp_path), "COLUMNS": "80"})
+    assert_one_line_error(result, "pip install 'omlx[cpu]'", "pip install 'omlx[cuda]'")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -15,7 +15,10 @@ def test_serve_provisions_the_default_model_and_answers_paris(tmp_path):
     server = ServerProcess(tmp_path / "home", [])  # default model dir: $OMLX_HOME/models, empty
     server.start(timeout=300)
     try:
+        # a fresh install loads the default model before /health says ok
+        assert (503, {"status": "loading", "models": [DEFAULT]}) in server.health_seen
         assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+        assert loaded(server) == [DEFAULT]
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
         models = client.models.list().data
         assert [m.id for m in models] == [DEFAULT]
@@ -26,9 +29,25 @@ def test_serve_provisions_the_default_model_and_answers_paris(tmp_path):
         )
         assert "Paris" in answer.choices[0].message.content
         assert "provisioning the built-in default model" in server.log()
+        assert f"ready: {server.base_url} (dashboard {server.base_url}/admin)" in server.log()
     finally:
         server.stop()
     assert (tmp_path / "home" / "models" / DEFAULT / "config.json").exists()
+    assert server.log().count("dequantized to compute in float32") == 1
+    again = ServerProcess(tmp_path / "home", [])  # loads what was loaded at the stop, from kept weights
+    again.start(timeout=300)
+    try:
+        assert (503, {"status": "loading", "models": [DEFAULT]}) in again.health_seen
+        assert loaded(again) == [DEFAULT]
+        log = again.log()
+        assert log.count("dequantized to compute in float32") == 1 and "read its float32 weights kept" in log
+    finally:
+        again.stop()
+
+
+def loaded(server: ServerProcess) -> list[str]:
+    data = httpx.get(server.base_url + "/v1/models/status").json()["data"]
+    return [m["id"] for m in data if m["state"] == "loaded"]
 
 
 def test_import_gguf_command_and_its_errors(tmp_path):

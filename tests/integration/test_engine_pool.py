@@ -189,3 +189,18 @@ def test_status_splits_decode_time_per_part(server):
     parts = sum(after_batch[p] for p in ("graph_build_s", "launch_s", "device_wait_s", "cache_s", "host_s"))
     assert parts < wall
     assert after_batch["engine_cpu_s"] > 0 and after_batch["event_loop_cpu_s"] > 0
+
+
+def test_a_restart_loads_what_was_loaded_at_stop_and_the_pinned_models(server, three_models):
+    assert set(states(server).values()) == {"unloaded"}  # a new home loads nothing it was not asked for
+    assert chat(server, "model-a").status_code == 200
+    assert chat(server, "model-b").status_code == 200
+    assert httpx.post(server.base_url + "/v1/models/model-b/unload").json()["unloaded"] is True
+    httpx.put(server.base_url + "/api/models/model-c/settings", json={"pinned": True})
+    server.stop()
+    again = ServerProcess(server.home, server.args)
+    again.start()  # healthy only once its start's models are loaded
+    try:
+        assert states(again) == {"model-a": "loaded", "model-b": "unloaded", "model-c": "loaded"}
+    finally:
+        again.stop()

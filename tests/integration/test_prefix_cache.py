@@ -68,7 +68,7 @@ def stats(server: ServerProcess) -> dict:
 
 def settled(server: ServerProcess) -> dict:
     """Stats once the blocks the hot tier let go have reached RAM: on a discrete GPU their
-    copies wait for an idle engine loop (`CacheStore.demote`)."""
+    copies wait for an idle engine loop (`Tiers.demote`)."""
     for _ in range(200):
         s = stats(server)
         if not s.get("demoting_bytes"):
@@ -343,7 +343,7 @@ def test_ram_tier_default_follows_the_device(cached):
 
 def _chain(home: Path) -> list[Path]:
     """Block files of the first stored prompt in chain order (root first), by their headers."""
-    from omlx.cache.ssd_tier import read_header
+    from omlx.cache.tiers.ssd.tier import read_header
 
     by_parent = {}
     for f in (home / "cache").rglob("*.safetensors"):

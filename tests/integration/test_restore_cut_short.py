@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from omlx.cache.hot_tier import HotTier
+from omlx.cache.plan.restore_plan import PrefillEstimate
 from omlx.cache.prefix_cache import PrefixCache
-from omlx.cache.ssd_tier import SSDTier
-from omlx.cache.store import CacheStore
+from omlx.cache.tiers.ssd.tier import SSDTier
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams
+from tests.support.cache_parts import make_tiers
 
 B = 16
 BLOCKS = 40
@@ -44,10 +44,7 @@ class Server:
 
     def __init__(self, model_dir: Path, root: Path, monkeypatch: pytest.MonkeyPatch, seconds_per_token: float) -> None:
         self.caches: list[PrefixCache] = []
-        ssd = SSDTier(root, 1 << 30)
-        assert ssd.wait_ready(10)
-        self.ssd = ssd
-        store = CacheStore(HotTier(1 << 30), ssd, B)
+        self.tiers = store = make_tiers(B, 1 << 30, ssd=root)
 
         def loader() -> SimpleNamespace:
             from mlx_lm import load
@@ -58,7 +55,7 @@ class Server:
         def factory(loaded: SimpleNamespace) -> PrefixCache:
             cache = PrefixCache(store, FP, len(loaded.model.layers), "m")
             # recomputing costs what it would on a large model, whatever the tiny one's prefills show
-            monkeypatch.setattr(cache.prefill, "seconds", lambda n, depth=0: n * seconds_per_token)
+            monkeypatch.setattr(cache.costs.prefill, "estimate", lambda: PrefillEstimate((0.0, seconds_per_token, 0.0)))
             self.caches.append(cache)
             return cache
 
@@ -78,7 +75,7 @@ class Server:
 
     def stop(self) -> None:
         self.engine.shutdown()
-        self.ssd.close()
+        self.tiers.close()
 
 
 @pytest.fixture()
@@ -118,7 +115,7 @@ def test_a_restore_on_a_wrong_saved_rate_is_cut_short_and_the_next_one_recompute
 
     monkeypatch.setattr(SSDTier, "_load", slow_load)
     # read ahead as a real model's run would be (its 40 blocks here are 2.6 MB, not gigabytes)
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
     server = Server(tiny_model_dir, tmp_path, monkeypatch, 1e-3)
 
     async def run() -> list[tuple[list[int], float, int]]:
@@ -135,7 +132,7 @@ def test_a_restore_on_a_wrong_saved_rate_is_cut_short_and_the_next_one_recompute
     # the answer came about as soon as a fresh prompt's of the same length (cold), not 2.5 s later
     assert first_cached < 8 * B and len(reads) < 8
     assert first_ttft < cold_ttft + full_restore_s / 5
-    assert cache.ssd_rate.value < 1e8  # the reads' own rate replaced the wrong one...
+    assert cache.costs.ssd_rate.value < 1e8  # the reads' own rate replaced the wrong one...
     assert second_cached == 0 and len(reads) < 8  # ...so the next conversation recomputes unread
 
 
@@ -144,7 +141,7 @@ def test_where_the_ssd_is_the_faster_path_it_restores_the_whole_run(
 ) -> None:
     # the disk at its own speed (a few ms for 40 small blocks) against 0.64 s of recomputing
     saved_rate_made(tmp_path, 1e12)
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
     server = Server(tiny_model_dir, tmp_path, monkeypatch, 1e-3)
     try:
         answer, _, cached = asyncio.run(server.ask("a", conversation(7)))

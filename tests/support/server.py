@@ -37,6 +37,7 @@ class ServerProcess:
         }
         self.proc: subprocess.Popen | None = None
         self.log_path = home / "server.log"
+        self.health_seen: list[tuple[int, dict]] = []  # each distinct /health answer while starting
 
     @property
     def base_url(self) -> str:
@@ -56,9 +57,12 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                r = httpx.get(f"{self.base_url}/health", timeout=1)
+                if (r.status_code, r.json()) not in self.health_seen:
+                    self.health_seen.append((r.status_code, r.json()))
+                if r.status_code == 200:
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # not up yet, or not our JSON yet
                 pass
             time.sleep(0.2)
         self.stop()

@@ -15,8 +15,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omlx.cache.block import CacheBlock
-from omlx.cache.ssd_tier import SSDTier
+from omlx.cache.block.block import CacheBlock
+from omlx.cache.tiers.ssd.tier import SSDTier
 
 
 def make_block(i: int, fingerprint: str, n_layers: int = 4, tokens: int = 256) -> CacheBlock:

@@ -17,15 +17,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-import omlx.cache.prefix_cache as prefix_cache
-from omlx.cache import kv_layout
-from omlx.cache.block import packed_on_host, staged_on_host
-from omlx.cache.block_hash import block_keys
-from omlx.cache.hot_tier import HotTier
-from omlx.cache.kv_layout import KV_STACK, join_blocks
+import omlx.cache.saver.blocks as block_cutter
+from omlx.cache.block import kv_layout
+from omlx.cache.block.block import packed_on_host, staged_on_host
+from omlx.cache.block.hashing import block_keys
+from omlx.cache.block.kv_layout import KV_STACK, join_blocks
 from omlx.cache.prefix_cache import PrefixCache
-from omlx.cache.ssd_tier import SSDTier
-from omlx.cache.store import CacheStore
+from tests.support.cache_parts import make_tiers, restore
 
 B = 16
 FP = "b" * 64
@@ -45,13 +43,11 @@ def kv(tokens: int, heads: list[int] | None = None) -> list[KVCache]:
 
 
 def hot_cache(layers: int = LAYERS) -> PrefixCache:
-    return PrefixCache(CacheStore(HotTier(1 << 30), None, B), FP, layers, "m")
+    return PrefixCache(make_tiers(B, 1 << 30), FP, layers, "m")
 
 
 def ssd_cache(root: Path) -> PrefixCache:
-    ssd = SSDTier(root, 1 << 30)
-    assert ssd.wait_ready(10)
-    return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
+    return PrefixCache(make_tiers(B, 1 << 30, ssd=root), FP, LAYERS, "m")
 
 
 def stored_in_both_formats(
@@ -60,7 +56,7 @@ def stored_in_both_formats(
     """`tokens` stored as a conversation's two turns: the first two blocks as an older version
     wrote them (a tensor per layer), the rest stacked."""
     with monkeypatch.context() as m:
-        m.setattr(prefix_cache, "stackable", lambda cache: False)
+        m.setattr(block_cutter, "stackable", lambda cache: False)
         cache.store(tokens[: 2 * B], original, final=True)
     cache.store(tokens, original, final=True)
     return cache
@@ -68,7 +64,7 @@ def stored_in_both_formats(
 
 def written_and_closed(cache: PrefixCache) -> None:
     """Everything `cache` stored written to its SSD (as an idle engine does), then closed."""
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         pass
     cache.tiers.ssd.close()
 
@@ -98,11 +94,11 @@ def test_a_block_holds_every_layer_in_one_tensor_and_restores_exactly(monkeypatc
     cache, tokens = hot_cache(), list(range(1, 4 * B + 1))
     original = kv(len(tokens))
     cache.store(tokens, original, final=True)
-    block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    block = cache.tiers.device.peek(block_keys(FP, tokens, B)[0])
     assert list(block.tensors) == [KV_STACK]
     assert block.tensors[KV_STACK].shape == (2 * LAYERS, 2, B, 8)
     joins = counted_joins(monkeypatch)
-    restored, n = cache.lookup(tokens + [999])
+    restored, n = restore(cache, tokens + [999])
     assert n == 4 * B
     assert joins == [4]  # one join of the four blocks, not one per layer and kind
     assert_restores(restored, original, n)
@@ -116,10 +112,10 @@ def test_writes_into_a_restored_cache_never_reach_the_stored_blocks(
     # a cache trimmed, then written in place (a padded chunk's trim, the next tokens): the
     # restored arrays may share the stored ones' memory, never their objects
     if not stacked:
-        monkeypatch.setattr(prefix_cache, "stackable", lambda cache: False)
+        monkeypatch.setattr(block_cutter, "stackable", lambda cache: False)
     cache, tokens = hot_cache(), list(range(1, blocks * B + 1))
     cache.store(tokens, kv(len(tokens)), final=True)
-    stored = [cache.tiers.hot.peek(k) for k in block_keys(FP, tokens, B)]
+    stored = [cache.tiers.device.peek(k) for k in block_keys(FP, tokens, B)]
     before = [{name: mx.array(t) for name, t in b.tensors.items()} for b in stored]
     restored = join_blocks([(b, B) for b in stored], LAYERS)
     for c in restored:
@@ -150,10 +146,10 @@ def test_a_prefix_ending_inside_a_block_restores_its_first_tokens() -> None:
     cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
     original = kv(len(tokens))
     cache.store(tokens, original, final=True)
-    caches, n = cache.lookup(tokens[: 2 * B + 5] + [999])  # a prompt that parts from it 5 tokens in
+    caches, n = restore(cache, tokens[: 2 * B + 5] + [999])  # a prompt that parts from it 5 tokens in
     assert n == 2 * B + 5
     assert_restores(caches, original, n)
-    parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)[:2]]
+    parts = [(cache.tiers.device.peek(k), B) for k in block_keys(FP, tokens, B)[:2]]
     parts[-1] = (parts[-1][0], 5)
     assert_restores(join_blocks(parts, LAYERS), original, B + 5)
 
@@ -164,14 +160,14 @@ def test_blocks_in_the_per_layer_format_still_restore_alone_and_mixed(
     tokens = list(range(1, 4 * B + 1))
     original = kv(len(tokens))
     older = stored_in_both_formats(ssd_cache(tmp_path), tokens, original, monkeypatch)
-    first = older.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    first = older.tiers.device.peek(block_keys(FP, tokens, B)[0])
     assert KV_STACK not in first.tensors and first.tensors["0.keys"].shape == (1, 2, B, 8)
-    assert list(older.tiers.hot.peek(block_keys(FP, tokens, B)[3]).tensors) == [KV_STACK]
+    assert list(older.tiers.device.peek(block_keys(FP, tokens, B)[3]).tensors) == [KV_STACK]
     written_and_closed(older)
 
     again = ssd_cache(tmp_path)  # a restart: both formats come back from the SSD
-    again.prefill.observe(4 * B, 0, 100.0)  # recomputing is slow: restore
-    caches, n = again.lookup(tokens + [999])
+    again.costs.prefill.observe(4 * B, 0, 100.0)  # recomputing is slow: restore
+    caches, n = restore(again, tokens + [999])
     assert n == 4 * B
     assert_restores(caches, original, n)
     again.tiers.ssd.close()
@@ -188,19 +184,19 @@ def test_a_chain_of_both_formats_is_probed_and_restored_from_the_ssd(
     written_and_closed(older)
 
     again = ssd_cache(tmp_path)
-    assert again.ssd_rate.value is None  # never measured: the lookup times a part first
-    again.prefill.observe(32 * B, 0, 100.0)
-    caches, n = again.lookup(tokens + [999])
-    assert n == 32 * B and again.ssd_rate.value is not None
+    assert again.costs.ssd_rate.value is None  # never measured: the lookup times a part first
+    again.costs.prefill.observe(32 * B, 0, 100.0)
+    caches, n = restore(again, tokens + [999])
+    assert n == 32 * B and again.costs.ssd_rate.value is not None
     assert_restores(caches, original, n)
     again.tiers.ssd.close()
 
     idle = ssd_cache(tmp_path)  # the idle engine's timing reads the same blocks
     deadline = time.monotonic() + 10
-    while idle.ssd_rate.value is None and time.monotonic() < deadline:
-        idle.probe_idle()
+    while idle.costs.ssd_rate.value is None and time.monotonic() < deadline:
+        idle.idle_probe.step()
         time.sleep(0.01)
-    assert idle.ssd_rate.value is not None
+    assert idle.costs.ssd_rate.value is not None
     idle.tiers.ssd.close()
 
 
@@ -219,9 +215,9 @@ def test_tensors_of_different_shapes_keep_a_tensor_each(make: Any) -> None:
     cache, tokens = hot_cache(layers=2), list(range(1, 2 * B + 1))
     original = make(len(tokens))
     cache.store(tokens, original, final=True)
-    block = cache.tiers.hot.peek(block_keys(FP, tokens, B)[0])
+    block = cache.tiers.device.peek(block_keys(FP, tokens, B)[0])
     assert sorted(block.tensors) == ["0.keys", "0.values", "1.keys", "1.values"]
-    caches, n = cache.lookup(tokens + [999])
+    caches, n = restore(cache, tokens + [999])
     assert n == 2 * B
     assert_restores(caches, original, n)
 
@@ -231,24 +227,24 @@ def test_a_store_stacks_runs_of_adjacent_blocks_once_within_its_bound(monkeypatc
     tokens = list(range(1, 4 * B + 1))
     original = kv(len(tokens))
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4  # float32
-    monkeypatch.setattr(prefix_cache, "stack_group_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(block_cutter, "stack_group_bytes", lambda: 1 << 30)
     joins = counted_joins(monkeypatch)
     cache = hot_cache()
     cache.store(tokens, original, final=True)
     assert joins == [2 * LAYERS]  # one stack for the four blocks
-    assert cache.tiers.hot.peek(block_keys(FP, tokens, B)[0]).nbytes == block_bytes
-    monkeypatch.setattr(prefix_cache, "stack_group_bytes", lambda: 2 * block_bytes)
+    assert cache.tiers.device.peek(block_keys(FP, tokens, B)[0]).nbytes == block_bytes
+    monkeypatch.setattr(block_cutter, "stack_group_bytes", lambda: 2 * block_bytes)
     joins.clear()
     bounded = hot_cache()
     bounded.store(tokens, original, final=True)
     assert joins == [2 * LAYERS, 2 * LAYERS]  # two blocks' bytes at a time
-    monkeypatch.setattr(prefix_cache, "stack_group_bytes", lambda: 0)
+    monkeypatch.setattr(block_cutter, "stack_group_bytes", lambda: 0)
     joins.clear()
     alone = hot_cache()  # as on a CPU: each block stacked on its own, its bytes copied once
     alone.store(tokens, original, final=True)
     assert joins == [2 * LAYERS] * 4
     for c in (cache, bounded, alone):
-        caches, n = c.lookup(tokens + [999])
+        caches, n = restore(c, tokens + [999])
         assert n == 4 * B
         assert_restores(caches, original, n)
 
@@ -257,7 +253,7 @@ def test_a_cpu_store_makes_each_block_with_one_copy(monkeypatch: pytest.MonkeyPa
     # cutting blocks from a shared stack copies their bytes a second time: not where copies
     # cost bandwidth rather than launches
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
-    assert prefix_cache.stack_group_bytes() == 0
+    assert block_cutter.stack_group_bytes() == 0
     cuts: list[int] = []
     real = mx.contiguous
     monkeypatch.setattr(mx, "contiguous", lambda a, *args, **kw: cuts.append(1) or real(a, *args, **kw))
@@ -274,7 +270,7 @@ def test_a_restore_too_large_for_one_array_joins_its_layers_in_groups(
     cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
     original = kv(len(tokens))
     cache.store(tokens, original, final=True)
-    parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)]
+    parts = [(cache.tiers.device.peek(k), B) for k in block_keys(FP, tokens, B)]
     per_layer = 2 * 2 * 8 * 3 * B  # keys and values of one layer, all three blocks
     joins = counted_joins(monkeypatch)
     restored = join_blocks(parts, LAYERS, max_elements=layers_per_array * per_layer)
@@ -286,7 +282,7 @@ def test_a_restore_joins_groups_of_at_most_join_group_bytes(monkeypatch: pytest.
     cache, tokens = hot_cache(), list(range(1, 3 * B + 1))
     original = kv(len(tokens))
     cache.store(tokens, original, final=True)
-    parts = [(cache.tiers.hot.peek(k), B) for k in block_keys(FP, tokens, B)]
+    parts = [(cache.tiers.device.peek(k), B) for k in block_keys(FP, tokens, B)]
     layer_bytes = 2 * 2 * 8 * 3 * B * 4  # keys and values of one float32 layer, all three blocks
     monkeypatch.setattr(kv_layout, "JOIN_GROUP_BYTES", 2 * layer_bytes)
     joins = counted_joins(monkeypatch)

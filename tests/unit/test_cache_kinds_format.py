@@ -8,7 +8,6 @@ import hashlib
 import json
 import struct
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -21,17 +20,14 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from omlx.cache import ssd_format
-from omlx.cache.block import CacheBlock, HostBlock, checksum_host
-from omlx.cache.cache_kinds import cache_kinds, flatten, regroup
-from omlx.cache.hot_tier import HotTier
-from omlx.cache.interface import NoCache
-from omlx.cache.prefix_cache import PrefixCache, make_prefix_cache
-from omlx.cache.restore_model import RestoreModel
-from omlx.cache.ssd_tier import SSDTier
-from omlx.cache.store import CacheStore
-from tests.support.tiny_kinds import ARCHS, build_tiny_arch
-from tests.support.tiny_model import build_tiny_llama
+from omlx.cache.block.block import CacheBlock, HostBlock, checksum_host
+from omlx.cache.block.kinds import cache_kinds, flatten, regroup
+from omlx.cache.plan import decide
+from omlx.cache.plan.restore_model import RestoreModel
+from omlx.cache.prefix_cache import PrefixCache
+from omlx.cache.tiers.ssd import format as ssd_format
+from omlx.cache.tiers.ssd.tier import SSDTier
+from tests.support.cache_parts import make_tiers
 
 FP = "a" * 64
 
@@ -61,47 +57,10 @@ def test_cache_classes_blocks_cannot_hold_are_named(layer) -> None:
     assert kinds is None and type(layer.caches[0] if isinstance(layer, CacheList) else layer).__name__ in why
 
 
-def loaded(folder: Path, model) -> SimpleNamespace:
-    return SimpleNamespace(model=model, info=SimpleNamespace(id=folder.name, path=folder), compute_dtype="float32")
 
 
-def test_the_factory_caches_stateful_models_only_for_an_engine_that_captures_states(tmp_path: Path) -> None:
-    import mlx_lm
-
-    store = CacheStore(HotTier(1 << 30), None, 16)
-    folder = build_tiny_arch(tmp_path / "gpt", ARCHS["gpt_oss"](8))
-    model = mlx_lm.load(str(folder))[0]
-    assert isinstance(make_prefix_cache(store, loaded(folder, model)), NoCache)
-    cache = make_prefix_cache(store, loaded(folder, model), captures_states=True)
-    assert isinstance(cache, PrefixCache) and cache.kinds is not None
-    assert cache.capture_points(70, 0) == [16, 32, 48, 64] and cache.capture_points(70, 40) == [48, 64]
-    llama = build_tiny_llama(tmp_path / "llama", layers=2, hidden=64, heads=2, kv_heads=1)
-    plain = make_prefix_cache(store, loaded(llama, mlx_lm.load(str(llama))[0]))
-    assert isinstance(plain, PrefixCache) and plain.kinds is None  # unchanged for plain KV
-    assert plain.capture_points(70, 0) == [] and plain.snapshot([]) is None
-    assert NoCache().capture_points(70, 0) == [] and NoCache().snapshot([]) is None
 
 
-def test_a_stateful_model_s_blocks_are_a_prefill_chunk_long_by_default(tmp_path: Path) -> None:
-    # capturing a state at every 256-token block cut a 2,048-token GPU prefill chunk into eight and
-    # stored eight windows or recurrent states (docs/design/cache-kinds.md, "Block size")
-    import mlx_lm
-
-    from omlx.engine.config import EngineConfig
-
-    config = EngineConfig.resolve(prefill_step_size=64, solo_prefill_step_size=128)
-    assert config.stateful_block_size("auto") == 128 and config.stateful_block_size("48") == 48
-    with pytest.raises(ValueError):
-        config.stateful_block_size("8")
-    store = CacheStore(HotTier(1 << 30), None, 16)
-    folder = build_tiny_arch(tmp_path / "lfm2", ARCHS["lfm2"](0))
-    stateful = make_prefix_cache(store, loaded(folder, mlx_lm.load(str(folder))[0]), captures_states=True, stateful_block_size=128)
-    assert stateful.block_size == 128 and stateful.capture_points(300, 0) == [128, 256]
-    same = make_prefix_cache(store, loaded(folder, mlx_lm.load(str(folder))[0]), captures_states=True, stateful_block_size=16)
-    assert same.fp != stateful.fp  # blocks of another size never serve it
-    llama = build_tiny_llama(tmp_path / "llama", layers=2, hidden=64, heads=2, kv_heads=1)
-    plain = make_prefix_cache(store, loaded(llama, mlx_lm.load(str(llama))[0]), captures_states=True, stateful_block_size=128)
-    assert plain.block_size == 16  # plain KV keeps the store's blocks
 
 
 def stateful_block(i: int, tokens: int = 16) -> CacheBlock:
@@ -253,15 +212,13 @@ def test_an_unknown_format_version_is_discarded_never_served(tmp_path: Path, mon
 
 
 def test_the_restore_model_counts_one_whole_state_per_restore() -> None:
-    model = RestoreModel()
-    model.block_size = 16
+    model = RestoreModel(stateful=True)
     model.learn_size(16 * 100 + 5000, 16, state_bytes=5000)
     assert model.bytes_per_token == 100 and model.state_bytes == 5000
     assert model.restore_bytes(16) == 1600 + 5000 and model.restore_bytes(40) == 4000 + 5000
     assert model.restore_bytes(16 * 125) == 125 * 1600 + 5000  # the state is read once, whatever the run
     assert model.restore_bytes(0) == 0
-    again = RestoreModel()
-    again.block_size = 16
+    again = RestoreModel(stateful=True)
     again.load(model.state())
     assert again.restore_bytes(40) == model.restore_bytes(40)
     plain = RestoreModel()
@@ -271,49 +228,37 @@ def test_the_restore_model_counts_one_whole_state_per_restore() -> None:
 
 def test_a_store_stops_at_the_first_block_without_its_state(tmp_path: Path) -> None:
     kinds, _ = cache_kinds([KVCache(), ArraysCache(size=1)])
-    store = CacheStore(HotTier(1 << 30), None, 16)
+    store = make_tiers(16, 1 << 30)
     pc = PrefixCache(store, FP, 2, "m", kinds=kinds)
     kv = KVCache()
     kv.state = (mx.zeros((1, 2, 50, 8)), mx.zeros((1, 2, 50, 8)), 50)
     arrays = ArraysCache(size=1)
     arrays.cache = [mx.ones((1, 3, 8))]
     cache = [kv, arrays]
-    snap = pc.snapshot(cache)
+    snap = pc.blocks.snapshot(cache)
     pc.store(list(range(50)), cache, final=False, boundary_states={16: snap, 48: snap})  # none at 32
-    assert store.hot.stats()["blocks"] == 1  # block 3 and the tail would hang off a hole
+    assert store.device.stats()["blocks"] == 1  # block 3 and the tail would hang off a hole
     pc.store(list(range(50)), cache, final=False, boundary_states={32: snap, 48: snap})
-    assert store.hot.stats()["blocks"] == 4  # blocks 2, 3 and the tail, at the cache's own length
+    assert store.device.stats()["blocks"] == 4  # blocks 2, 3 and the tail, at the cache's own length
 
 
-@pytest.mark.parametrize("name", sorted(ARCHS))
-def test_each_tiny_architecture_loads_with_mlx_lm_and_generates(name: str, tmp_path: Path) -> None:
-    import mlx_lm
-
-    folder = build_tiny_arch(tmp_path / name, ARCHS[name]())
-    assert sum(f.stat().st_size for f in folder.iterdir()) < 4 << 20  # a few MB at most
-    model, tokenizer = mlx_lm.load(str(folder))
-    kinds, _ = cache_kinds(model.make_cache())
-    assert kinds is not None and kinds.stateful  # a real mix of kinds, not all KV
-    ids = [t for r in mlx_lm.stream_generate(model, tokenizer, "The quick brown fox", max_tokens=8) for t in [r.token]]
-    assert len(ids) == 8 and len(set(ids)) > 1  # greedy output that varies
 
 
 def test_a_model_of_recurrent_layers_alone_is_judged_on_its_states() -> None:
-    model = RestoreModel()
-    model.block_size = 16
+    model = RestoreModel(stateful=True)
     model.learn_size(5000, 16, state_bytes=5000)  # mamba2: no KV at all
     model.learn_size(9999, 3, state_bytes=9999)  # learned once, from the first block seen
     assert model.bytes_per_token == 0 and model.restore_bytes(32) == model.restore_bytes(3200) == 5000
     for n in (100, 200, 400):
         model.prefill.observe(n, 0, n * 0.01)
     model.ssd_rate.observe(10000, 10.0)  # 1 kB/s: far slower than recomputing 32 tokens (0.32 s)
-    assert model.judge(32, 0, model.ssd_rate)[0] is False  # judged, not waved through as unmeasured
+    assert decide.verdict(32, 0, model.ssd_rate.snapshot(), model.costs()).restore is False  # judged, not waved through as unmeasured
 
 
 @pytest.mark.parametrize("keep", [0, 2])
 @pytest.mark.parametrize("steps", [[5], [12], [5, 1, 1, 1, 1, 1, 1, 1], [12, 1, 1, 7, 1]])
 def test_a_window_restored_in_order_goes_on_as_the_original(keep: int, steps: list[int]) -> None:
-    from omlx.cache.layer_states import window_in_order
+    from omlx.cache.block.layer_states import window_in_order
 
     kinds, _ = cache_kinds([RotatingKVCache(max_size=8, keep=keep)])
     original = RotatingKVCache(max_size=8, keep=keep)
@@ -328,7 +273,7 @@ def test_a_window_restored_in_order_goes_on_as_the_original(keep: int, steps: li
     keys, values = window_in_order(original)
     assert keys.shape[2] == min(8, sum(steps))
     block = CacheBlock("k" * 64, None, FP, sum(steps), kinds.tags(), {"0.window.keys": keys, "0.window.values": values})
-    from omlx.cache.layer_states import restore
+    from omlx.cache.block.layer_states import restore
 
     (restored,) = restore(kinds, [(block, sum(steps))])
     for n in (1, 1, 6, 1, 9, 1):  # decode steps and chunks: what each attends to stays the same

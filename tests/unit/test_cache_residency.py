@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from omlx.cache.residency import BlockDirectory, Residency
+from omlx.cache.tiers.residency import BlockDirectory, Residency
+from tests.support.cache_parts import make_tiers
 
 
 @dataclass
@@ -47,38 +48,28 @@ def test_one_let_go_on_another_thread_is_handed_over_first() -> None:
     assert d.next_unwritten("m") == (a, False)
 
 
-def test_a_block_both_unwritten_and_leaving_keeps_its_device_copy_until_both_end() -> None:
+def test_a_block_both_unwritten_and_demoting_keeps_its_device_copy_until_both_end() -> None:
     d = BlockDirectory()
     a = Block("a")
     d.await_write(a)
-    assert d.leave(a, generation=0) and not d.leave(a, generation=0)  # the second only refreshes
-    assert d.state("a") == Residency.UNWRITTEN | Residency.LEAVING and d.leaving_bytes == 10
-    assert d.oldest_leaving("m") is a and d.oldest_leaving("other") is None
+    assert d.demote_later(a) and not d.demote_later(a)  # the second only refreshes
+    assert d.state("a") == Residency.UNWRITTEN | Residency.DEMOTING and d.demoting_bytes == 10
+    assert d.oldest_demoting("m") is a and d.oldest_demoting("other") is None
     d.take_unwritten(a)
-    assert d.state("a") == Residency.LEAVING and d.on_device("a")
+    assert d.state("a") == Residency.DEMOTING and d.on_device("a")
     assert d.reclaim("a") == (a, 0) and d.reclaim("a") == (None, 0)
-    assert d.state("a") == Residency.NONE and d.leaving_bytes == 0 and not d.any_leaving()
+    assert d.state("a") == Residency.NONE and d.demoting_bytes == 0 and not d.any_demoting()
 
 
-def test_leaving_blocks_are_served_oldest_first_and_refreshed_when_let_go_again() -> None:
+def test_demoting_blocks_are_served_oldest_first_and_refreshed_when_let_go_again() -> None:
     d = BlockDirectory()
     a, b = Block("a"), Block("b")
-    d.leave(a, 3)
-    d.leave(b, 3)
-    d.leave(a, 3)
-    assert [x.key for x in d.leaving_blocks()] == ["b", "a"]
-    assert d.oldest_leaving("m") is b and d.reclaim("b") == (b, 3)
-
-
-def test_staged_reads_are_taken_once_and_dropped_per_model() -> None:
-    d = BlockDirectory()
-    d.stage(Block("a"))
-    d.stage(Block("b", fingerprint="other"))
-    assert d.is_staged("a") and d.state("a") == Residency.STAGED
-    assert d.unstage("a").key == "a" and d.unstage("a") is None
-    d.stage(Block("c"))
-    d.unstage_all("m")
-    assert not d.is_staged("c") and d.is_staged("b")
+    d.clear(), d.clear(), d.clear()  # generation 3
+    d.demote_later(a)
+    d.demote_later(b)
+    d.demote_later(a)
+    assert [x.key for x in d.demoting_blocks()] == ["b", "a"]
+    assert d.oldest_demoting("m") is b and d.reclaim("b") == (b, 3)
 
 
 def test_dropping_a_model_s_waits_and_clearing_everything() -> None:
@@ -86,10 +77,11 @@ def test_dropping_a_model_s_waits_and_clearing_everything() -> None:
     for key in "abc":
         d.await_write(Block(key))
     d.await_write(Block("z", fingerprint="other"))
-    d.leave(Block("l"), 0)
+    d.demote_later(Block("l"))
     assert d.drop_unwritten("m") == 3 and d.unwritten("m") == 0 and d.unwritten("other") == 1
     d.clear()
-    assert d.unwritten_count() == 0 and d.leaving_bytes == 0 and d.state("z") == Residency.NONE
+    assert d.unwritten_count() == 0 and d.demoting_bytes == 0 and d.state("z") == Residency.NONE
+    assert d.generation == 1  # what was stored or let go before the clear is not written or copied
 
 
 def test_every_state_change_is_under_the_one_lock() -> None:
@@ -113,18 +105,14 @@ def test_every_state_change_is_under_the_one_lock() -> None:
 def test_a_store_answers_each_block_s_residency_across_its_tiers(tmp_path) -> None:
     import numpy as np
 
-    from omlx.cache.block import HostBlock
-    from omlx.cache.hot_tier import HotTier
-    from omlx.cache.ssd_tier import SSDTier
-    from omlx.cache.store import CacheStore
+    from omlx.cache.block.block import HostBlock
 
-    ssd = SSDTier(tmp_path, 1 << 20)
-    assert ssd.wait_ready(10)
-    store = CacheStore(HotTier(1000), ssd, 16, warm=HotTier(1000))
-    assert store.hot.lock is store.directory.lock is store.warm.lock  # one lock
+    store = make_tiers(16, 1000, ram_bytes=1000, ssd=tmp_path, ssd_bytes=1 << 20)
+    ssd = store.ssd
+    assert store.device.lock is store.directory.lock is store.ram.lock is store.lock  # one lock, the tiers' own
     hot, ram = Block("a" * 64), Block("b" * 64)
-    store.hot.put(hot)
-    store.warm.put(ram)
+    store.device.put(hot)
+    store.ram.put(ram)
     store.directory.await_write(hot)
     assert store.residency(hot.key) == Residency.HOT | Residency.UNWRITTEN
     assert store.residency(ram.key) == Residency.RAM

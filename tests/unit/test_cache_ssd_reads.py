@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from omlx.cache.ssd_reads import ReadPools, TimedRead
+from omlx.cache.tiers.ssd.reads import ReadPools, TimedRead
 
 
 class DoneAtOnce:

@@ -12,11 +12,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from omlx.cache.block import CacheBlock, HostBlock
-from omlx.cache.hot_tier import HotTier
-from omlx.cache.residency import SSD_STATES, BlockDirectory, Residency
-from omlx.cache.ssd_tier import SSDTier
-from omlx.cache.store import CacheStore
+from omlx.cache.block.block import CacheBlock, HostBlock
+from omlx.cache.tiers.memory_tier import MemoryTier
+from omlx.cache.tiers.residency import SSD_STATES, BlockDirectory, Residency
+from omlx.cache.tiers.ssd.tier import SSDTier
+from omlx.cache.tiers.tiers import Tiers
+from tests.support.cache_parts import make_tiers
 
 FP = "m"
 
@@ -27,26 +28,25 @@ def host_block(i: int, nbytes: int = 1000, fp: str = FP) -> HostBlock:
     return HostBlock(key, None, fp, 16, ["kv"], host)
 
 
-def open_store(root: Path, ssd_bytes: int = 1 << 30) -> tuple[CacheStore, SSDTier]:
-    ssd = SSDTier(root, ssd_bytes)
-    assert ssd.wait_ready(10)
-    return CacheStore(HotTier(1 << 20), ssd, 16, warm=HotTier(1 << 20)), ssd
+def open_store(root: Path, ssd_bytes: int = 1 << 30, demote_bound: int = 0) -> tuple[Tiers, SSDTier]:
+    store = make_tiers(16, 1 << 20, ram_bytes=1 << 20, ssd=root, ssd_bytes=ssd_bytes, demote_bound=demote_bound)
+    return store, store.ssd
 
 
 def consistent(ssd: SSDTier) -> bool:
     """SSD in a key's state exactly while the index holds it; no write left pending."""
-    d = ssd.block_directory
+    d = ssd.directory
     return d.keys_with(Residency.SSD) == set(ssd._index) and not d.keys_with(Residency.WRITING)
 
 
 def test_the_ssd_tier_and_the_store_share_one_directory_and_one_lock(tmp_path: Path) -> None:
     store, ssd = open_store(tmp_path)
-    assert store.directory is ssd.block_directory
-    assert ssd._lock is store.directory.lock is store.hot.lock is store.warm.lock
-    alone = SSDTier(tmp_path / "alone", 1 << 20)  # without a store: a directory of its own
-    assert isinstance(alone.block_directory, BlockDirectory) and alone.block_directory is not store.directory
+    assert store.directory is ssd.directory
+    assert ssd._lock is store.directory.lock is store.device.lock is store.ram.lock
+    alone = SSDTier(tmp_path / "alone", 1 << 20)  # without tiers: a directory (and lock) of its own
+    assert isinstance(alone.directory, BlockDirectory) and alone.directory is not store.directory
     given = BlockDirectory()
-    assert SSDTier(tmp_path / "given", 0, directory=given).block_directory is given
+    assert SSDTier(tmp_path / "given", 0, directory=given).directory is given
     alone.close()
     store.close()
 
@@ -99,8 +99,7 @@ def test_a_directory_clear_alone_keeps_the_ssd_tier_s_states() -> None:
     d = BlockDirectory()
     d.mark("a", Residency.SSD)
     d.mark("b", Residency.WRITING)
-    d.stage(host_block(3))
-    d.leave(host_block(4), 0)
+    d.demote_later(host_block(4))
     d.clear()
     assert d.state("a") == Residency.SSD and d.state("b") == Residency.WRITING
     assert d.keys_with(~Residency.NONE) == {"a", "b"} == d.keys_with(SSD_STATES)
@@ -163,41 +162,42 @@ def entries(d: BlockDirectory) -> set[str]:
         return set(d._entries)
 
 
-def test_a_block_is_hot_then_leaving_then_in_ram_then_gone(tmp_path: Path) -> None:
-    store, ssd = open_store(tmp_path)
-    store.hot.set_max_bytes(2000)  # room for two blocks
-    store.demote_bound = 1 << 20  # let go, a block waits for its own engine's copy to RAM
+def test_a_block_is_hot_then_demoting_then_in_ram_then_gone(tmp_path: Path) -> None:
+    store, ssd = open_store(tmp_path, demote_bound=1 << 20)  # let go, a block waits for its own engine's copy to RAM
+    store.device.set_max_bytes(2000)  # room for two blocks
     store.own(FP)
     d = store.directory
     a, b, c = device_block(1), device_block(2), device_block(3)
-    assert store.hot.put(a) and store.hot.put(b)
+    assert store.device.put(a) and store.device.put(b)
     assert d.state(a.key) == Residency.HOT == store.residency(a.key, FP)
     assert d.keys_with(Residency.HOT) == {a.key, b.key}
-    assert store.hot.put(c)  # pushes `a` out: it waits in device memory
-    assert d.state(a.key) == Residency.LEAVING == store.residency(a.key, FP)
-    assert not store.demote(FP, limit=1 << 30, due=True)
+    assert store.device.put(c)  # pushes `a` out: it waits in device memory
+    assert d.state(a.key) == Residency.DEMOTING == store.residency(a.key, FP)
+    assert not store.demote(FP, limit=1 << 30, due=True)[0]
     assert d.state(a.key) == Residency.RAM == store.residency(a.key, FP)
-    assert store.warm.take(a.key) is not None  # moved back toward the device: in no tier now
+    assert store.ram.take(a.key) is not None  # moved back toward the device: in no tier now
     assert d.state(a.key) == Residency.NONE and a.key not in entries(d)
-    store.hot.discard(b.key)
-    store.hot.shed(1 << 30)  # `c` let go: it waits, then is copied to RAM
-    assert d.keys_with(Residency.HOT) == set() and d.state(c.key) == Residency.LEAVING
-    assert not store.demote(FP, limit=1 << 30, due=True) and d.keys_with(Residency.RAM) == {c.key}
+    store.device.discard(b.key)
+    store.device.shed(1 << 30)  # `c` let go: it waits, then is copied to RAM
+    assert d.keys_with(Residency.HOT) == set() and d.state(c.key) == Residency.DEMOTING
+    assert not store.demote(FP, limit=1 << 30, due=True)[0] and d.keys_with(Residency.RAM) == {c.key}
     store.clear()
     assert entries(d) == set()
     store.close()
 
 
-def test_a_tier_alone_keeps_working_and_one_joined_late_records_what_it_holds() -> None:
-    hot = HotTier(3000)
+def test_a_tier_alone_has_a_lock_of_its_own_and_the_tiers_give_theirs_at_construction() -> None:
+    hot = MemoryTier(3000)  # alone (as tests build it): its own lock, no directory to record in
     blocks = [device_block(i) for i in range(4)]
     for block in blocks:
         hot.put(block)
     assert hot.stats()["blocks"] == 3 and hot.stats()["evictions"] == 1
-    store = CacheStore(hot, None, 16)
+    store = make_tiers(16, 3000)  # the tiers' lock is made once, by them, and given to each tier as it is made
+    assert store.device.lock is store.lock is store.directory.lock and hot.lock is not store.lock
+    for block in blocks:
+        store.device.put(block)
     assert store.directory.keys_with(Residency.HOT) == {b.key for b in blocks[1:]}
-    assert hot.lock is store.directory.lock
-    hot.clear()
+    store.device.clear()
     assert entries(store.directory) == set()
 
 
@@ -211,59 +211,58 @@ def kv_only(block: CacheBlock) -> CacheBlock:
 def test_a_kv_only_hot_copy_is_marked_upgraded_by_a_whole_put_and_never_replaces_one(tmp_path: Path) -> None:
     store, ssd = open_store(tmp_path)
     evicted: list[CacheBlock] = []
-    store.hot.on_evict = evicted.append
+    store.device.on_evict = evicted.append
     a = device_block(1)
     part = kv_only(a)
-    assert store.hot.put(part) and store.residency(a.key, FP) == Residency.HOT | Residency.KV_ONLY
-    assert store.hot.held_bytes == part.nbytes == 500
-    assert store.hot.put(a)  # the whole block upgrades the KV-only copy: not an eviction
-    assert store.hot.peek(a.key) is a and store.hot.held_bytes == 1000 and not evicted
-    assert store.residency(a.key, FP) == Residency.HOT and store.hot.stats()["evictions"] == 0
+    assert store.device.put(part) and store.residency(a.key, FP) == Residency.HOT | Residency.KV_ONLY
+    assert store.device.held_bytes == part.nbytes == 500
+    assert store.device.put(a)  # the whole block upgrades the KV-only copy: not an eviction
+    assert store.device.peek(a.key) is a and store.device.held_bytes == 1000 and not evicted
+    assert store.residency(a.key, FP) == Residency.HOT and store.device.stats()["evictions"] == 0
     b = device_block(2)
-    assert store.hot.put(b) and store.hot.put(kv_only(a))  # a KV-only put keeps the whole one, refreshed
-    assert store.hot.peek(a.key) is a and store.residency(a.key, FP) == Residency.HOT
-    assert list(store.hot._blocks) == [b.key, a.key]
-    store.hot.discard(a.key)
+    assert store.device.put(b) and store.device.put(kv_only(a))  # a KV-only put keeps the whole one, refreshed
+    assert store.device.peek(a.key) is a and store.residency(a.key, FP) == Residency.HOT
+    assert list(store.device._blocks) == [b.key, a.key]
+    store.device.discard(a.key)
     assert a.key not in entries(store.directory)  # no state left: no entry
-    store.hot.set_max_bytes(1600)  # room for `b` and a KV-only `a`, not for both whole
-    assert store.hot.put(kv_only(a), keep={b.key})
-    assert not store.hot.put(a, keep={b.key})  # the whole one does not fit: the KV-only copy stays
-    assert store.hot.peek(a.key).partial and store.residency(a.key, FP) == Residency.HOT | Residency.KV_ONLY
+    store.device.set_max_bytes(1600)  # room for `b` and a KV-only `a`, not for both whole
+    assert store.device.put(kv_only(a), keep={b.key})
+    assert not store.device.put(a, keep={b.key})  # the whole one does not fit: the KV-only copy stays
+    assert store.device.peek(a.key).partial and store.residency(a.key, FP) == Residency.HOT | Residency.KV_ONLY
     store.close()
 
 
 def test_the_ram_and_ssd_tiers_refuse_a_kv_only_block(tmp_path: Path) -> None:
     store, ssd = open_store(tmp_path)
     part = kv_only(device_block(1))
-    for put in (store.warm.put, ssd.put):
+    for put in (store.ram.put, ssd.put):
         try:
-            put(HostBlock.of(part, copy=True) if put == store.warm.put else part)
+            put(HostBlock.of(part, copy=True) if put == store.ram.put else part)
         except ValueError:
             continue
         raise AssertionError(f"{put} took a block without its state")
-    assert entries(store.directory) == set() and store.warm.stats()["blocks"] == 0
+    assert entries(store.directory) == set() and store.ram.stats()["blocks"] == 0
     store.close()
 
 
 def test_a_kv_only_copy_let_go_by_the_hot_tier_is_dropped_never_copied_or_written(tmp_path: Path) -> None:
-    store, ssd = open_store(tmp_path)
-    store.demote_bound = 1 << 20
+    store, ssd = open_store(tmp_path, demote_bound=1 << 20)
     store.own(FP)
     followed: list[tuple[CacheBlock, HostBlock | None]] = []
     store.follow(FP, lambda block, host: followed.append((block, host)))
     d = store.directory
     whole, part = device_block(1), kv_only(device_block(2))
     d.await_write(device_block(2))  # even one whose whole block waits for the SSD writer
-    assert store.hot.put(whole) and store.hot.put(part)
-    store.hot.shed(1 << 30)
-    assert d.state(whole.key) == Residency.LEAVING  # the whole one waits for its copy to RAM
-    assert d.state(part.key) == Residency.UNWRITTEN and not d.is_leaving(part.key)  # the KV-only one: dropped
-    assert not store.demote(FP, limit=1 << 30, due=True)
-    assert [b.key for b, _ in followed] == [whole.key] and store.warm.peek(part.key) is None
-    store.demote_bound = 0  # copied to RAM at once when let go: still not the KV-only one
-    assert store.hot.put(kv_only(device_block(3)))
-    store.hot.set_max_bytes(0)
-    assert store.warm.stats()["blocks"] == 1 and len(followed) == 1 and ssd.stats()["blocks"] == 0
+    assert store.device.put(whole) and store.device.put(part)
+    store.device.shed(1 << 30)
+    assert d.state(whole.key) == Residency.DEMOTING  # the whole one waits for its copy to RAM
+    assert d.state(part.key) == Residency.UNWRITTEN and not d.is_demoting(part.key)  # the KV-only one: dropped
+    assert not store.demote(FP, limit=1 << 30, due=True)[0]
+    assert [b.key for b, _ in followed] == [whole.key] and store.ram.peek(part.key) is None
+    store.demotion.bound = 0  # copied to RAM at once when let go: still not the KV-only one
+    assert store.device.put(kv_only(device_block(3)))
+    store.device.set_max_bytes(0)
+    assert store.ram.stats()["blocks"] == 1 and len(followed) == 1 and ssd.stats()["blocks"] == 0
     store.close()
 
 
@@ -271,9 +270,9 @@ def test_hot_ram_and_kv_only_keys_follow_the_tiers_through_random_changes() -> N
     rng = random.Random(31)
     whole = [device_block(i, nbytes=rng.choice((500, 1000, 1500)), fp=rng.choice((FP, "n"))) for i in range(12)]
     pool = whole + [kv_only(b) for b in whole]
-    store = CacheStore(HotTier(4000), None, 16, warm=HotTier(6000), demote_bound=2000)
+    store = make_tiers(16, 4000, ram_bytes=6000, demote_bound=2000)
     store.own(FP)
-    hot, warm, d = store.hot, store.warm, store.directory
+    hot, warm, d = store.device, store.ram, store.directory
     assert warm is not None
     ops = [
         lambda b: hot.put(b, keep={rng.choice(pool).key}),
@@ -298,8 +297,8 @@ def test_hot_ram_and_kv_only_keys_follow_the_tiers_through_random_changes() -> N
         in_ram = {b.key for b in whole if warm.contains(b.key)}
         assert d.keys_with(Residency.HOT) == in_hot and d.keys_with(Residency.KV_ONLY) == partial, step
         assert d.keys_with(Residency.RAM) == in_ram and not any(warm.peek(k).partial for k in in_ram), step
-        assert not any(b.partial for b in d.leaving_blocks()), step
-        waiting = d.keys_with(Residency.UNWRITTEN | Residency.LEAVING)
+        assert not any(b.partial for b in d.demoting_blocks()), step
+        waiting = d.keys_with(Residency.UNWRITTEN | Residency.DEMOTING)
         assert entries(d) == in_hot | in_ram | waiting, step  # no key left without a state
         assert all(store.residency(b.key) == d.state(b.key) for b in whole), step
     store.clear()

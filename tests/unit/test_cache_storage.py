@@ -18,18 +18,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from omlx.cache.block import CacheBlock, HostBlock, checksum
-from omlx.cache.block_hash import (
+from omlx.cache.block.block import CacheBlock, HostBlock, checksum
+from omlx.cache.block.hashing import (
     block_keys,
     chain_key,
     model_fingerprint,
     tail_keys,
     weights_digest,
 )
-from omlx.cache.hot_tier import HotTier
 from omlx.cache.sizes import parse_size
-from omlx.cache.ssd_format import is_key
-from omlx.cache.ssd_tier import SSDTier, read_header
+from omlx.cache.tiers.memory_tier import MemoryTier
+from omlx.cache.tiers.ssd.format import is_key
+from omlx.cache.tiers.ssd.tier import SSDTier, read_header
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
@@ -177,7 +177,7 @@ def test_block_keys_fast_for_32k_tokens() -> None:
 
 def test_keys_stable_across_processes() -> None:
     code = (
-        "from omlx.cache.block_hash import block_keys, model_fingerprint as f;"
+        "from omlx.cache.block.hashing import block_keys, model_fingerprint as f;"
         "fp=f('m','d','bfloat16','kv',4);print(fp, block_keys(fp, list(range(9)), 4)[-1])"
     )
     outs = set()
@@ -279,7 +279,7 @@ def test_the_ssd_writer_reads_a_kept_blocks_own_buffers_only_where_that_leaves_t
     # On CUDA a host read turns an MLX buffer into managed memory for good (the hot tier's
     # block then restored at ~7 GB/s): the writer must read a packed copy there. Where the
     # host reads device memory in place (CPU, Apple silicon), it views the block's buffers.
-    import omlx.cache.block as block_module
+    import omlx.cache.block.block as block_module
 
     monkeypatch.setattr(block_module, "host_reads_move_buffers", lambda: moves)
     block = make_block(4, layers=3, dtype=mx.bfloat16)
@@ -300,7 +300,7 @@ def test_the_ssd_writer_reads_a_kept_blocks_own_buffers_only_where_that_leaves_t
 
 
 def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -> None:
-    from omlx.cache.block import from_host, packed
+    from omlx.cache.block.block import from_host, packed
 
     host = {"a": ("uint8", (3,), np.arange(3, dtype=np.uint8)),
             "b": ("float32", (4,), np.arange(4, dtype=np.float32).view(np.uint8))}  # fmt: skip
@@ -310,7 +310,7 @@ def test_a_packed_block_of_mixed_dtypes_keeps_each_tensor_aligned(monkeypatch) -
 
 
 def test_tensors_of_one_buffer_at_odd_offsets_come_back_one_by_one() -> None:
-    from omlx.cache.block import from_host
+    from omlx.cache.block.block import from_host
 
     buffer = np.arange(3 + 16, dtype=np.uint8)
     host = {"a": ("uint8", (3,), buffer[:3]), "b": ("float32", (4,), buffer[3:19])}  # b at offset 3
@@ -396,7 +396,7 @@ def test_checksum_slices_scalars_and_dtypes() -> None:
 def test_hot_tier_lru_and_budget() -> None:
     blocks = [make_block(i) for i in range(5)]
     size = blocks[0].nbytes
-    hot = HotTier(3 * size)
+    hot = MemoryTier(3 * size)
     for b in blocks[:3]:
         assert hot.put(b)
     assert hot.get(blocks[0].key) is blocks[0]  # 0 becomes most recent
@@ -420,7 +420,7 @@ def test_hot_tier_lru_and_budget() -> None:
 def test_hot_tier_put_evicts_none_of_keep() -> None:
     blocks = [make_block(i) for i in range(5)]
     size = blocks[0].nbytes
-    hot = HotTier(3 * size)
+    hot = MemoryTier(3 * size)
     for b in blocks[:3]:
         assert hot.put(b)
     chain = {b.key for b in blocks[1:4]}
@@ -434,15 +434,15 @@ def test_hot_tier_put_evicts_none_of_keep() -> None:
 
 def test_hot_tier_oversize_disabled_fingerprint_clear() -> None:
     big = make_block(0, tokens=64)
-    hot = HotTier(big.nbytes - 1)
+    hot = MemoryTier(big.nbytes - 1)
     assert not hot.put(big)
     assert hot.stats()["blocks"] == 0
 
-    off = HotTier(0)
+    off = MemoryTier(0)
     assert not off.put(make_block(1))
     assert off.get(make_block(1).key) is None
 
-    hot = HotTier(1 << 20)
+    hot = MemoryTier(1 << 20)
     for i in range(3):
         hot.put(make_block(i, FP))
         hot.put(make_block(i, FP2))
@@ -457,7 +457,7 @@ def test_hot_tier_oversize_disabled_fingerprint_clear() -> None:
 
 def test_hot_tier_threads() -> None:
     blocks = [make_block(i) for i in range(40)]
-    hot = HotTier(10 * blocks[0].nbytes)
+    hot = MemoryTier(10 * blocks[0].nbytes)
 
     def worker(offset: int) -> None:
         for n in range(400):
@@ -969,7 +969,7 @@ def test_host_block_round_trip_is_bit_exact_and_detached(dtype) -> None:
 
 
 def test_prefill_cost_learns_per_token_and_attention_terms() -> None:
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     assert cost.seconds(100) is None  # nothing measured: the caller restores to get a measurement
@@ -988,7 +988,7 @@ def test_prefill_cost_sets_a_fixed_cost_per_prefill_apart() -> None:
     # H200); fitted as tokens it skews the other terms (the two-term model was off by -10% for
     # 12,032 tokens 19,968 deep, -14% for 256 tokens 30,000 deep, +43% for 4,000 at the root);
     # recomputing part of a prompt does not save it, so the prediction leaves it out
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     c, a, b = 0.08, 3e-5, 1e-9
     cost = PrefillCost()
@@ -999,7 +999,7 @@ def test_prefill_cost_sets_a_fixed_cost_per_prefill_apart() -> None:
 
 
 def test_prefill_cost_saved_before_the_fixed_term_still_loads() -> None:
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     cost.load({"xx": [[1e6, 0.0], [0.0, 0.0]], "xt": [2000.0, 0.0], "observations": 1})  # 1000 tokens: 2 s
@@ -1011,7 +1011,7 @@ def test_prefill_cost_saved_before_the_fixed_term_still_loads() -> None:
 def test_prefill_cost_takes_the_attention_share_from_the_model_where_prefills_do_not_tell_it() -> None:
     # all prefills of one length at the root: the attention term cannot be told from the
     # per-token one; without a prior it is dropped, and a deep recompute looks cheap
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     c, a, b = 0.05, 2.5e-5, 1e-9
     truth = a * 12032 + b * 12032 * (19968 + 12032 / 2)
@@ -1027,7 +1027,7 @@ def test_prefill_cost_takes_the_attention_share_from_the_model_where_prefills_do
 def test_prefill_cost_distrusts_a_fit_far_from_the_model_s_attention_share() -> None:
     # four prefills at the root whose noise bends the curve: fitted freely, 9x the attention the
     # shapes allow; with the model's share as the prior, a fit within its span is taken
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     prior = 4e-5
     prefills = [(512, 0, 0.06), (4000, 0, 0.11), (16000, 0, 0.45), (32000, 0, 1.40)]

@@ -7,7 +7,6 @@ only the prefill timings are fed in by hand, to stand for a fast or a slow devic
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -19,14 +18,15 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from omlx.cache.block_hash import block_keys
-from omlx.cache.hot_tier import HotTier
-from omlx.cache.kv_layout import KV_STACK
+from omlx.cache.block.hashing import block_keys
+from omlx.cache.block.kv_layout import KV_STACK
+from omlx.cache.plan.restore_plan import Tier
 from omlx.cache.prefix_cache import PrefixCache
-from omlx.cache.ssd_tier import SSDTier
-from omlx.cache.store import CacheStore
-from omlx.cache.write_back import CopyPacer
-from omlx.platform_info import discrete_gpu
+from omlx.cache.saver.blocks import BlockCutter
+from omlx.cache.saver.write_back import CopyPacer
+from omlx.cache.tiers.ssd.tier import SSDTier
+from omlx.cache.tiers.tiers import Tiers
+from tests.support.cache_parts import make_tiers, read_ahead, restore
 
 B = 16
 FP = "f" * 64
@@ -35,9 +35,7 @@ LAYERS = 2
 
 def open_cache(root: Path) -> PrefixCache:
     """A fresh process's view: empty hot tier, the SSD directory as left on disk."""
-    ssd = SSDTier(root, 1 << 30)
-    assert ssd.wait_ready(10)
-    return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
+    return PrefixCache(make_tiers(B, 1 << 30, ssd=root), FP, LAYERS, "m")
 
 
 def kv(tokens: int) -> list[KVCache]:
@@ -53,7 +51,7 @@ def kv(tokens: int) -> list[KVCache]:
 def stored(root: Path, tokens: list[int]) -> None:
     cache = open_cache(root)
     cache.store(tokens, kv(len(tokens)), final=True)
-    while cache.write_back(idle=True):  # what an idle engine does
+    while cache.write_back.step(idle=True):  # what an idle engine does
         pass
     cache.tiers.ssd.close()
 
@@ -64,7 +62,7 @@ def test_measurements_survive_a_restart(tmp_path: Path) -> None:
     cache.close(timeout=1.0)  # as its engine stops
     cache.tiers.ssd.close()
     again = open_cache(tmp_path)
-    assert again.prefill.seconds(1000) == cache.prefill.seconds(1000) == 0.5
+    assert again.costs.prefill.seconds(1000) == cache.costs.prefill.seconds(1000) == 0.5
     again.tiers.ssd.close()
 
 
@@ -89,7 +87,7 @@ def test_measurements_are_written_off_the_engine_thread(tmp_path: Path, monkeypa
     cache.close(timeout=1.0)  # as the engine stops: the newest state, written here
     cache.tiers.ssd.close()
     again = open_cache(tmp_path)
-    assert again.prefill.seconds(1000) == cache.prefill.seconds(1000) < 0.5
+    assert again.costs.prefill.seconds(1000) == cache.costs.prefill.seconds(1000) < 0.5
     again.tiers.ssd.close()
 
 
@@ -105,7 +103,7 @@ def test_ram_restores_saved_before_moves_count_as_copies(tmp_path: Path) -> None
     state.pop("warm_moves"), state.pop("warm_copies")
     path.write_text(json.dumps({**state, "warm_restores": [1.7e9, 1.0]}))
     again = open_cache(tmp_path)
-    assert again.warm_rate.value is None and again.warm_copy_rate.value == 1.7e9
+    assert again.costs.ram_move_rate.value is None and again.costs.ram_copy_rate.value == 1.7e9
     again.tiers.ssd.close()
 
 
@@ -124,11 +122,11 @@ def test_unmeasured_ssd_is_probed_on_one_block_when_recompute_is_fast(tmp_path: 
     tokens = list(range(10, 10 + 16 * B + 1))
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
-    cache.prefill.observe(100_000, 0, 1e-6)  # a device that prefills 10^11 tokens/s
-    caches, n = cache.lookup(tokens)
+    cache.costs.prefill.observe(100_000, 0, 1e-6)  # a device that prefills 10^11 tokens/s
+    caches, n = restore(cache, tokens)
     assert n == B  # the probe (1 of 16 blocks) only; the other 15 are recomputed
     assert caches[0].offset == B
-    assert cache.ssd_rate.value is not None and cache.tiers.counters.skipped_restores == 1
+    assert cache.costs.ssd_rate.value is not None and cache.tiers.counters.skipped_restores == 1
     cache.tiers.ssd.close()
 
 
@@ -139,43 +137,43 @@ def test_an_unmeasured_tier_is_probed_up_to_an_eighth_in_growing_groups(tmp_path
     groups: list[int] = []
     real = cache.tiers.ssd.get_many
     monkeypatch.setattr(cache.tiers.ssd, "get_many", lambda keys, fp: groups.append(len(keys)) or real(keys, fp))
-    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: the probe may take its eighth
-    caches, n = cache.lookup(tokens)
+    cache.costs.prefill.observe(100, 0, 100.0)  # recomputing is slow: the probe may take its eighth
+    caches, n = restore(cache, tokens)
     assert groups == [1, 2, 4, 1, 56] and n == 64 * B  # 8 blocks probed, then the rest restored
 
 
 def test_a_tier_judged_slower_is_probed_again_after_a_while(tmp_path: Path) -> None:
     # measured once while the disk was busy, the SSD would otherwise never be used again
-    from omlx.cache.restore_model import REPROBE_AFTER
+    from omlx.cache.plan.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
-    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: one token per second
-    cache.ssd_rate.observe(1, 1e9)  # ...and the SSD "slower"
-    cache.bytes_per_token = LAYERS * 2 * (2 * 8 * 4)  # keys and values, 2 heads x 8 float32s
+    cache.costs.prefill.observe(100, 0, 100.0)  # recomputing is slow: one token per second
+    cache.costs.ssd_rate.observe(1, 1e9)  # ...and the SSD "slower"
+    cache.costs.bytes_per_token = LAYERS * 2 * (2 * 8 * 4)  # keys and values, 2 heads x 8 float32s
     for _ in range(REPROBE_AFTER):
-        assert cache.lookup(tokens) == (None, 0)
-    caches, n = cache.lookup(tokens)  # probed: the disk is fast now, so the run is restored
-    assert n == 8 * B and cache.ssd_rate.value > 1e3 and cache.ssd_rate.skipped == 0
+        assert restore(cache, tokens) == (None, 0)
+    caches, n = restore(cache, tokens)  # probed: the disk is fast now, so the run is restored
+    assert n == 8 * B and cache.costs.ssd_rate.value > 1e3 and cache.costs.ssd_rate.skipped == 0
     cache.tiers.ssd.close()
 
 
 def probe_while_idle(cache: PrefixCache) -> None:
     """What an idle engine does, loop after loop, until the timing is over."""
-    cache.probe_idle()
+    cache.idle_probe.step()
     for _ in range(500):
-        if cache._idle_probe is None:
+        if cache.idle_probe.in_flight is None:
             return
         time.sleep(0.01)
-        cache.probe_idle()
+        cache.idle_probe.step()
     pytest.fail("the idle timing never ended")
 
 
 def test_an_idle_engine_times_the_ssd_so_the_first_request_does_not(tmp_path: Path) -> None:
     # a fresh cache directory's first restore would time a part of the run inside the request
     # (0.09 s of a first TTFT at 8B on an H200); the idle engine before it times it instead
-    from omlx.cache.restore_model import REPROBE_AFTER
+    from omlx.cache.plan.restore_model import REPROBE_AFTER
 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
@@ -183,67 +181,36 @@ def test_an_idle_engine_times_the_ssd_so_the_first_request_does_not(tmp_path: Pa
     ssd = cache.tiers.ssd
     before, order = ssd.stats(), list(ssd._index)
     probe_while_idle(cache)
-    assert cache.ssd_rate.value is not None and cache.bytes_per_token > 0
+    assert cache.costs.ssd_rate.value is not None and cache.costs.bytes_per_token > 0
     after = ssd.stats()
     assert (after["hits"], after["misses"]) == (before["hits"], before["misses"]) and list(ssd._index) == order
-    assert not any(cache.tiers.hot.contains(k) for k in order)  # what it read was dropped
-    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: the whole run is restored
+    assert not any(cache.tiers.device.contains(k) for k in order)  # what it read was dropped
+    cache.costs.prefill.observe(100, 0, 100.0)  # recomputing is slow: the whole run is restored
     fetched: list[int] = []
     real = ssd.get_many
     ssd.get_many = lambda keys, fp: fetched.append(len(keys)) or real(keys, fp)
-    _, n = cache.lookup(tokens)
+    _, n = restore(cache, tokens)
     assert n == 8 * B and fetched == [8]  # in one go: no part of it timed first
     # judged slower too many times in a row, it is timed again while idle, not in a request
-    cache.ssd_rate.observe(1, 1e9)
-    cache.ssd_rate.skipped = REPROBE_AFTER
+    cache.costs.ssd_rate.observe(1, 1e9)
+    cache.costs.ssd_rate.skipped = REPROBE_AFTER
     probe_while_idle(cache)
-    assert cache.ssd_rate.skipped == 0 and cache.ssd_rate.value > 1e3
+    assert cache.costs.ssd_rate.skipped == 0 and cache.costs.ssd_rate.value > 1e3
     cache.tiers.ssd.close()
 
 
-def test_an_engine_times_its_ssd_while_idle_before_any_request(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import asyncio
-    from types import SimpleNamespace
-
-    from omlx.engine.llm_engine import LLMEngine
-
-    stored(tmp_path, list(range(10, 10 + 4 * B)))
-
-    def loader() -> SimpleNamespace:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
-
-    made: list[PrefixCache] = []
-    engine = LLMEngine("m", loader, prefix_cache_factory=lambda loaded: made.append(open_cache(tmp_path)) or made[-1])
-
-    async def main() -> bool:
-        await engine.wait_ready()
-        for _ in range(300):
-            if made[-1].ssd_rate.value is not None:
-                return True
-            await asyncio.sleep(0.02)
-        return False
-
-    try:
-        assert asyncio.run(main())
-    finally:
-        engine.shutdown()
-        made[-1].tiers.ssd.close()
 
 
 def test_an_idle_engine_does_not_time_an_ssd_without_its_blocks(tmp_path: Path, monkeypatch) -> None:
     stored(tmp_path, list(range(10, 10 + 4 * B)))
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    other = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), "e" * 64, LAYERS, "other")
+    other = PrefixCache(make_tiers(B, 1 << 30, ssd=tmp_path), "e" * 64, LAYERS, "other")
+    ssd = other.tiers.ssd
     scans: list[int] = []
     real = ssd.recent_keys
     monkeypatch.setattr(ssd, "recent_keys", lambda fp, n: scans.append(n) or real(fp, n))
     for _ in range(3):  # idle loops: the index is looked through once, until it changes
-        other.probe_idle()
-    assert other._idle_probe is None and other.ssd_rate.value is None and len(scans) == 1
+        other.idle_probe.step()
+    assert other.idle_probe.in_flight is None and other.costs.ssd_rate.value is None and len(scans) == 1
     ssd.close()
 
 
@@ -251,8 +218,8 @@ def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) 
     tokens = list(range(10, 10 + 8 * B + 1))
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
-    cache.prefill.observe(100, 0, 100.0)  # one token per second
-    caches, n = cache.lookup(tokens)
+    cache.costs.prefill.observe(100, 0, 100.0)  # one token per second
+    caches, n = restore(cache, tokens)
     assert n == 8 * B
     assert cache.tiers.counters.skipped_restores == 0
     restored = mx.concatenate([c.state[0] for c in caches])
@@ -261,7 +228,7 @@ def test_unmeasured_ssd_restores_the_run_when_recompute_is_slow(tmp_path: Path) 
     cache.tiers.ssd.close()
     # and the measured rate is what the next process starts from
     again = open_cache(tmp_path)
-    assert again.ssd_rate.value == cache.ssd_rate.value and again.bytes_per_token == cache.bytes_per_token
+    assert again.costs.ssd_rate.value == cache.costs.ssd_rate.value and again.costs.bytes_per_token == cache.costs.bytes_per_token
     again.tiers.ssd.close()
 
 
@@ -272,10 +239,10 @@ def test_a_restore_barely_faster_than_recomputing_recomputes(tmp_path: Path) -> 
     stored(tmp_path, tokens)
     for restore_s, expected in ((0.9, 0), (0.7, 8 * B)):
         cache = open_cache(tmp_path)
-        cache.bytes_per_token = LAYERS * 2 * (2 * 8 * 4)  # keys and values, 2 heads x 8 float32s
-        cache.prefill.observe(8 * B, 0, 1.0)  # recomputing the run: 1 s
-        cache.ssd_rate.observe(8 * B * cache.bytes_per_token, restore_s)
-        _, n = cache.lookup(tokens)
+        cache.costs.bytes_per_token = LAYERS * 2 * (2 * 8 * 4)  # keys and values, 2 heads x 8 float32s
+        cache.costs.prefill.observe(8 * B, 0, 1.0)  # recomputing the run: 1 s
+        cache.costs.ssd_rate.observe(8 * B * cache.costs.bytes_per_token, restore_s)
+        _, n = restore(cache, tokens)
         assert n == expected, restore_s
         assert cache.tiers.counters.skipped_restores == (expected == 0)
         cache.tiers.ssd.close()
@@ -287,15 +254,15 @@ def test_a_run_behind_a_cached_prefix_is_judged_against_recomputing_it_there(tmp
     tokens = list(range(10, 10 + 16 * B + 1))
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
-    _, n = cache.lookup(tokens[: 12 * B + 1])  # nothing measured yet: restored
+    _, n = restore(cache, tokens[: 12 * B + 1])  # nothing measured yet: restored
     assert n == 12 * B
     run = 4 * B
-    cache.prefill.observe(run, 0, 1.0)  # t = a·n + b·n·(d + n/2): 1 s at the root,
-    cache.prefill.observe(run, 12 * B, 4.0)  # 4 s behind the 12 blocks
-    assert abs(cache.prefill.seconds(run, 12 * B) - 4.0) < 1e-6
-    cache.ssd_rate.forget()
-    cache.ssd_rate.observe(run * cache.bytes_per_token, 1.0)  # restoring the run: 1 s
-    _, n = cache.lookup(tokens)
+    cache.costs.prefill.observe(run, 0, 1.0)  # t = a·n + b·n·(d + n/2): 1 s at the root,
+    cache.costs.prefill.observe(run, 12 * B, 4.0)  # 4 s behind the 12 blocks
+    assert abs(cache.costs.prefill.seconds(run, 12 * B) - 4.0) < 1e-6
+    cache.costs.ssd_rate.forget()
+    cache.costs.ssd_rate.observe(run * cache.costs.bytes_per_token, 1.0)  # restoring the run: 1 s
+    _, n = restore(cache, tokens)
     assert n == 16 * B  # 1 s against 4 (at the root it would have been 1 s against 1: recomputed)
     assert cache.tiers.counters.skipped_restores == 0
     cache.tiers.ssd.close()
@@ -308,14 +275,13 @@ def test_a_tail_the_engine_would_drop_is_not_fetched(tmp_path: Path) -> None:
     stored(tmp_path, tokens)
     for grid, expected, hot_blocks in ((0, 2 * B + 10, 3), (B, 2 * B, 2)):
         cache = open_cache(tmp_path)
-        cache.grid = grid
-        _, n = cache.lookup(tokens + [7])
-        assert (n, cache.tiers.hot.stats()["blocks"]) == (expected, hot_blocks), grid
+        _, n = restore(cache, tokens + [7], grid=grid)
+        assert (n, cache.tiers.device.stats()["blocks"]) == (expected, hot_blocks), grid
         cache.tiers.ssd.close()
 
 
 def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     cost.observe(8000, 0, 2.0)  # a GPU's first prefill of this shape: kernels compiling
@@ -326,7 +292,7 @@ def test_prefill_estimate_drops_fast_after_a_slow_first_prefill() -> None:
 
 
 def test_restore_rate_weighs_each_restore_by_its_size() -> None:
-    from omlx.cache.restore_model import Throughput
+    from omlx.cache.plan.restore_model import Throughput
 
     rate = Throughput()
     rate.observe(2e6, 2e6 / 8e9)  # a one-block probe: 8 GB/s
@@ -337,10 +303,10 @@ def test_restore_rate_weighs_each_restore_by_its_size() -> None:
 def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(monkeypatch) -> None:
     """A hot tier too small for a block hands it to RAM; if RAM still holds that block (it was
     just restored from there), it is only refreshed: no second device -> host copy."""
-    from omlx.cache.block import HostBlock
+    from omlx.cache.block.block import HostBlock
 
-    warm = HotTier(1 << 30)
-    cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 1, ram_bytes=1 << 30), FP, LAYERS, "m")
+    warm = cache.tiers.ram
     tokens = list(range(10, 10 + 4 * B + 1))
     cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
     assert warm.stats()["blocks"] == 5  # four full blocks and the partial tail
@@ -352,8 +318,8 @@ def test_a_block_restored_from_ram_is_not_copied_back_when_hot_cannot_keep_it(mo
         return original(block, copy=copy)
 
     monkeypatch.setattr(HostBlock, "of", counting)
-    cache.prefill.observe(100, 0, 100.0)  # recompute is slow: restore from RAM
-    caches, n = cache.lookup(tokens)
+    cache.costs.prefill.observe(100, 0, 100.0)  # recompute is slow: restore from RAM
+    caches, n = restore(cache, tokens)
     assert n == 4 * B and caches[0].offset == 4 * B
     assert copies == []  # restored blocks went back to the RAM tier that holds them: no copies
     assert warm.stats()["blocks"] == 5
@@ -363,24 +329,24 @@ def test_prompt_blocks_wait_for_the_end_when_only_ram_would_keep_them() -> None:
     """Stored right after the prefill, blocks that the hot tier cannot hold would be copied to
     RAM between the request's first and second token: they are stored when it finishes."""
     tokens = list(range(10, 10 + 4 * B + 1))
-    ram_only = PrefixCache(CacheStore(HotTier(1), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
-    roomy = PrefixCache(CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
+    ram_only = PrefixCache(make_tiers(B, 1, ram_bytes=1 << 30), FP, LAYERS, "m")
+    roomy = PrefixCache(make_tiers(B, 1 << 30, ram_bytes=1 << 30), FP, LAYERS, "m")
     for cache in (ram_only, roomy):
         cache.store(tokens, kv(len(tokens)), final=True)  # the first store measures a block's bytes
-    assert roomy.wants_prompt_blocks(8 * B, 0)
-    assert not ram_only.wants_prompt_blocks(8 * B, 0)
-    assert not roomy.wants_prompt_blocks(B - 1, 0)  # less than a block computed: at the end anyway
+    assert roomy.match(tokens).worth_storing(8 * B, 0)
+    assert not ram_only.match(tokens).worth_storing(8 * B, 0)
+    assert not roomy.match(tokens).worth_storing(B - 1, 0)  # less than a block computed: at the end anyway
 
 
 def test_when_only_ram_keeps_blocks_a_finished_sequence_is_stored_a_piece_per_call(monkeypatch) -> None:
     """Copied to RAM all at once, a 32,000-token prompt of an 8B model held its engine 3-8 s on
     an H200 while a new request waited: the engine stores such a sequence a piece per idle loop."""
 
-    warm = HotTier(1 << 30)
-    cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 1, ram_bytes=1 << 30), FP, LAYERS, "m")
+    warm = cache.tiers.ram
     first = list(range(10, 10 + B + 1))
     assert cache.store(first, kv(len(first)), final=True) == 0  # measures a block's bytes; whole
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 2 * B * cache.bytes_per_token)  # 2 blocks
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", 2 * B * cache.costs.bytes_per_token)  # 2 blocks
     tokens = list(range(500, 500 + 7 * B + 5))  # seven full blocks and a tail
     sequence = kv(len(tokens))
     assert cache.store(tokens, sequence, final=False) == 0  # a prompt's store is never split
@@ -392,20 +358,19 @@ def test_when_only_ram_keeps_blocks_a_finished_sequence_is_stored_a_piece_per_ca
         held.append(warm.stats()["blocks"])
     assert starts == [2 * B, 4 * B, 6 * B, 0]
     assert [h - held[0] for h in held] == [0, 2, 4, 6]  # two a call, root first; the last: the 7th and the tail
-    cache.prefill.observe(100, 0, 100.0)  # recomputing is slow: a lookup restores what RAM holds
-    cache.warm_rate.observe(1e9, 1.0)
-    assert cache.lookup(tokens2)[1] == len(tokens2) - 1  # the whole chain, up to its last token
+    cache.costs.prefill.observe(100, 0, 100.0)  # recomputing is slow: a lookup restores what RAM holds
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
+    assert restore(cache, tokens2)[1] == len(tokens2) - 1  # the whole chain, up to its last token
 
 
 def test_a_piecewise_store_ends_even_when_ram_cannot_hold_the_whole_sequence(monkeypatch) -> None:
 
-    probe = PrefixCache(CacheStore(HotTier(1), None, B, warm=HotTier(1 << 30)), FP, LAYERS, "m")
+    probe = PrefixCache(make_tiers(B, 1, ram_bytes=1 << 30), FP, LAYERS, "m")
     probe.store(list(range(10, 10 + B)), kv(B), final=True)
-    block = B * probe.bytes_per_token
-    warm = HotTier(3 * block)  # three blocks: storing the later ones pushes out the first
-    cache = PrefixCache(CacheStore(HotTier(1), None, B, warm=warm), FP, LAYERS, "m")
+    block = B * probe.costs.bytes_per_token
+    cache = PrefixCache(make_tiers(B, 1, ram_bytes=3 * block), FP, LAYERS, "m")  # three blocks: the later ones push out the first
     cache.store(list(range(10, 10 + B)), kv(B), final=True)
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", block)  # a block per call
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", block)  # a block per call
     tokens = list(range(500, 500 + 8 * B))
     sequence = kv(len(tokens))
     calls, start = 1, cache.store(tokens, sequence, final=True)
@@ -414,246 +379,25 @@ def test_a_piecewise_store_ends_even_when_ram_cannot_hold_the_whole_sequence(mon
     assert (start, calls) == (0, 8)  # each block once, not again after RAM let it go
 
 
-def ram_only_engine(tiny_model_dir: Path, warm: HotTier) -> Any:
-    """An engine on the tiny model whose hot tier holds no block (only RAM keeps them)."""
-    from types import SimpleNamespace
-
-    from omlx.engine.llm_engine import LLMEngine
-
-    def loader() -> SimpleNamespace:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
-
-    store = CacheStore(HotTier(1), None, B, warm=warm)
-    return LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=lambda loaded: PrefixCache(
-        store, FP, len(loaded.model.layers), "m"))  # fmt: skip
 
 
-async def answer(engine: Any, rid: str, prompt: list[int], n: int) -> tuple[list[int], int]:
-    from omlx.engine.request import GenerationRequest, SamplingParams
-
-    bias = {0: -100.0, 1: -100.0, 2: -100.0}
-    got, cached = [], 0
-    async for ev in engine.generate(GenerationRequest(rid, prompt, n, SamplingParams(temperature=0.0, logit_bias=bias))):
-        got += ev.token_ids
-        cached = ev.cached_tokens or cached
-    return got, cached
 
 
-def test_an_engine_stores_a_finished_sequence_to_ram_while_idle_not_between_others_tokens(
-    tiny_model_dir: Path, monkeypatch
-) -> None:
-    import asyncio
 
 
-    warm = HotTier(1 << 30)
-    engine = ram_only_engine(tiny_model_dir, warm)
-    short = [5 + (i * 7) % 390 for i in range(10 * B)]
-    long = [9 + (i * 11) % 390 for i in range(3 * B)]
-
-    async def main() -> tuple[int, tuple[int, int]]:
-        await engine.wait_ready()
-        await answer(engine, "measure", [7] * (B + 1), 1)  # the first store learns a block's bytes
-        await engine.call(lambda: None)
-        monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 1)  # a block per piece
-        before = warm.stats()["blocks"]
-        long_task = asyncio.create_task(answer(engine, "long", long, 200))
-        while not engine.active_count:
-            await asyncio.sleep(0.002)
-        await answer(engine, "short", short, 2)
-        # on the engine thread, between two of the long request's steps
-        during = await engine.call(lambda: (warm.stats()["blocks"], engine.active_count))
-        await long_task
-        for _ in range(500):  # idle now: the rest goes a piece per loop
-            if warm.stats()["blocks"] - before >= 10 + 3:
-                break
-            await asyncio.sleep(0.01)
-        return before, during
-
-    try:
-        before, (held, running) = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    assert running == 1  # the long request was still decoding
-    assert held - before < 10  # and the short one's 10 blocks had not all been copied meanwhile
-    assert warm.stats()["blocks"] - before >= 10 + 3  # then all of both went to RAM
 
 
-def test_a_lone_prompt_is_stored_once_its_first_token_has_left_and_another_request_comes(tiny_model_dir: Path, monkeypatch) -> None:
-    # the store's work holds the GIL: started while the event loop still has to send the first
-    # token, it adds to the TTFT (the loop is kept from taking the token here by blocking it). A
-    # request alone then stores its prompt when another one comes (it may share it), when it is
-    # cancelled, or at its end: stored between its tokens, it slowed them (write-back.md)
-    import asyncio
-    from types import SimpleNamespace
-
-    from omlx.engine import request_state
-    from omlx.engine.llm_engine import LLMEngine
-    from omlx.engine.request import GenerationRequest, SamplingParams
-
-    def loader() -> SimpleNamespace:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
-
-    hot = HotTier(1 << 30)
-    store = CacheStore(hot, None, B)
-    engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=lambda loaded: PrefixCache(
-        store, FP, len(loaded.model.layers), "m"))  # fmt: skip
-    prompt = [5 + (i * 7) % 390 for i in range(8 * B + 3)]
-    sampling = SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0})
-
-    def blocks_while_loop_blocked() -> list[tuple[int, int]]:
-        """(hot-tier blocks, requests running) sampled while this (the event loop's) thread
-        blocks: until the engine has a first event for it, then 0.2 s more."""
-        counts, end = [], time.monotonic() + 30
-        while time.monotonic() < end:
-            counts.append((hot.stats()["blocks"], engine.active_count))
-            if engine.bridge.outbox and end - time.monotonic() > 0.2:  # emitted: a store would start now
-                end = time.monotonic() + 0.2
-            time.sleep(0.002)
-        return counts
-
-    async def stored_after(change: Any) -> int:
-        """Hot-tier blocks once `change()` has had 3 s to show."""
-        await change()
-        for _ in range(300):
-            if hot.stats()["blocks"] > before[0]:
-                break
-            await asyncio.sleep(0.01)
-        return hot.stats()["blocks"]
-
-    before = [0]
-
-    async def one(rid: str, then: str) -> tuple[list[tuple[int, int]], int, int, int]:
-        """Blocks while the loop is blocked, then while the stream is read on alone for 0.3 s, then
-        after `then`: another request comes, the client leaves, or the request ends."""
-        before[0] = hot.stats()["blocks"]
-        stream = engine.generate(GenerationRequest(rid, prompt, 300 if then == "ends" else 1800, sampling))
-        first = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0)  # submitted: the task waits for its first event
-        counts = blocks_while_loop_blocked()  # the prefill and first token happen meanwhile
-        await first
-        await asyncio.wait_for(anext(stream), 10)  # the first token has gone on
-        await asyncio.sleep(0.3)  # decoding alone meanwhile
-        alone = hot.stats()["blocks"]  # the first token went on, the request decodes alone
-        other: list[Any] = []
-
-        async def change() -> None:
-            if then == "another":
-                other.append(engine.generate(GenerationRequest(rid + "-2", [9] * 40, 4, sampling)))
-                other.append(asyncio.ensure_future(anext(other[0])))
-                await asyncio.sleep(0.3)
-            elif then == "leaves":
-                await stream.aclose()
-            else:
-                async for _ in stream:
-                    pass
-
-        after = await stored_after(change)
-        await stream.aclose()
-        if other:
-            await other[1]
-            await other[0].aclose()
-        for _ in range(300):  # settled: the next run counts no block of these two
-            last = hot.stats()["blocks"]
-            await asyncio.sleep(0.05)
-            if engine.active_count == 0 and hot.stats()["blocks"] == last:
-                break
-        return counts, alone, after, before[0]
-
-    async def main() -> list[Any]:
-        await engine.wait_ready()
-        runs = []
-        for rid, then in (("another", "another"), ("leaves", "leaves"), ("ends", "ends")):
-            monkeypatch.setattr(request_state, "FIRST_TOKEN_GRACE_S", 60.0)
-            runs.append(await one(rid, then))
-            prompt[0] += 1  # a new prompt: nothing of it cached
-        return runs
-
-    try:
-        runs = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    for counts, alone, after, before_ in runs:
-        assert counts[-1][1] >= 1  # still decoding: its end would store it whole
-        assert {n for n, _ in counts} == {before_}  # none stored while the token waited for the loop
-        assert alone == before_  # nor while it decoded alone
-        assert after >= before_ + 8  # then the prompt's blocks were stored
 
 
-def test_a_first_token_counts_as_out_only_after_the_stream_writer_has_it(tiny_model_dir: Path) -> None:
-    # SSE routes take events on through `with_keepalive` (a reader task, then the writer): the
-    # engine may store the prompt only once the writer has run with the first token
-    import asyncio
-
-    from omlx.engine.request import GenerationRequest, SamplingParams
-    from omlx.server.sse import with_keepalive
-
-    engine = ram_only_engine(tiny_model_dir, HotTier(1 << 30))
-
-    async def main() -> tuple[bool, bool]:
-        await engine.wait_ready()
-        request = GenerationRequest("r", [5, 6, 7, 8] * 10, 50, SamplingParams(temperature=0.0))
-        stream = with_keepalive(engine.generate(request), 10.0)
-        await anext(stream)  # the writer's turn with the first token
-        handle = engine.scheduler.by_id["r"]
-        at_writer = handle.first_out
-        for _ in range(3):
-            await asyncio.sleep(0)
-        after = handle.first_out
-        await stream.aclose()
-        return at_writer, after
-
-    try:
-        at_writer, after = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    assert not at_writer
-    assert after
-
-
-def test_the_next_turn_finds_the_whole_pending_prefix(tiny_model_dir: Path, monkeypatch) -> None:
-    # pieces go only while idle: a follow-up arriving first makes its conversation's store finish
-    import asyncio
-
-    from omlx.cache import restore_model
-    from omlx.engine.store_queue import StoreQueue
-
-    warm = HotTier(1 << 30)
-    engine = ram_only_engine(tiny_model_dir, warm)
-    prompt = [5 + (i * 7) % 390 for i in range(10 * B)]
-
-    async def main() -> tuple[list[int], int]:
-        await engine.wait_ready()
-        await answer(engine, "measure", [7] * (B + 1), 1)
-        await engine.call(lambda: None)
-        monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 1)  # a block per piece
-        monkeypatch.setattr(StoreQueue, "continue_store", lambda self: True)  # never idle long enough
-        # what is asked here is whether the blocks are there, not whether restoring them beats
-        # recomputing: on an H200 the tiny model's 144 tokens are a near-tie (a RAM copy 0.003 s
-        # vs 0.005 s), which once went to recomputing after the one-block probe
-        monkeypatch.setattr(restore_model, "RESTORE_MARGIN", float("inf"))
-        first, _ = await answer(engine, "first", prompt, 4)
-        return await answer(engine, "next", prompt + first + [11, 12, 13], 2)
-
-    try:
-        _, cached = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    assert cached >= 10 * B - (B if discrete_gpu() else 0)  # the first turn's prompt, all of it
 
 
 def test_a_pending_store_stops_when_its_chain_is_gone(monkeypatch) -> None:
 
-    warm = HotTier(1 << 30)
-    store = CacheStore(HotTier(1), None, B, warm=warm)
+    store = make_tiers(B, 1, ram_bytes=1 << 30)
+    warm = store.ram
     cache = PrefixCache(store, FP, LAYERS, "m")
     cache.store(list(range(10, 10 + B + 1)), kv(B + 1), final=True)
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", B * cache.bytes_per_token)  # a block per call
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", B * cache.costs.bytes_per_token)  # a block per call
     tokens = list(range(500, 500 + 6 * B))
     sequence = kv(len(tokens))
     start = cache.store(tokens, sequence, final=True)
@@ -676,13 +420,13 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle(tmp_path: Path, mon
     cache.store(tokens, kv(len(tokens)), final=True)  # 8 full blocks + a 1-token tail
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     assert cache.tiers.stats()["unwritten_blocks"] == 9
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", 2 * block_bytes)
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", 2 * block_bytes)
     for _ in range(5):
-        cache.pacer.balance = 1.0  # time to spare: still nothing moves
-        assert not cache.write_back(idle=False)
+        cache.write_back.pacer.balance = 1.0  # time to spare: still nothing moves
+        assert not cache.write_back.step(idle=False)
     assert ssd.flush(10) and ssd.stats()["writes"] == 0
     writes = []
-    while cache.write_back(idle=True):  # idle: a chunk per call
+    while cache.write_back.step(idle=True):  # idle: a chunk per call
         assert ssd.flush(10)
         writes.append(ssd.stats()["writes"])
     assert writes == [2, 4, 6, 8]
@@ -691,21 +435,21 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle(tmp_path: Path, mon
     assert cache.tiers.stats()["device_to_host"]["handed"]["bytes"] == 8 * block_bytes + block_bytes // B
     again = list(range(700, 700 + 4 * B))
     cache.store(again, kv(len(again)), final=True)
-    cache.pacer.balance = 1.0
-    assert not cache.write_back(idle=False)  # busy: none
-    while cache.write_back(idle=True):
+    cache.write_back.pacer.balance = 1.0
+    assert not cache.write_back.step(idle=False)  # busy: none
+    while cache.write_back.step(idle=True):
         pass
     assert ssd.flush(10) and ssd.stats()["writes"] == 13
 
     # a block the hot tier dropped (a clear of that tier alone) before its write-back is found
     other = list(range(500, 500 + 2 * B + 1))
     cache.store(other, kv(len(other)), final=True)
-    cache.tiers.hot.clear()
-    caches, n = cache.lookup(other)
+    cache.tiers.device.clear()
+    caches, n = restore(cache, other)
     assert n == 2 * B and caches[0].offset == 2 * B
     # a clear drops what waits: nothing stored before it is written afterwards
     cache.tiers.clear()
-    assert not cache.write_back(idle=True)
+    assert not cache.write_back.step(idle=True)
     assert ssd.flush(10) and ssd.stats()["blocks"] == 0
     assert cache.tiers.stats()["unwritten_blocks"] == 0
 
@@ -720,7 +464,7 @@ def test_stored_blocks_reach_the_ssd_when_the_engine_is_idle(tmp_path: Path, mon
 
 def counted_host_copies(monkeypatch) -> list[tuple[str, bool]]:
     """(key, copy) of every device -> host view or copy of a block, from here on."""
-    from omlx.cache.block import HostBlock
+    from omlx.cache.block.block import HostBlock
 
     calls: list[tuple[str, bool]] = []
     original = HostBlock.of
@@ -738,25 +482,23 @@ def test_an_unwritten_block_the_hot_tier_lets_go_goes_to_the_ssd_as_the_ram_copy
     gets them. One the hot tier evicts meanwhile must not stay there outside its budget, nor
     be copied out twice (once for RAM, once for the SSD): the SSD writer takes the RAM copy."""
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    warm = HotTier(1 << 30)
-    cache = PrefixCache(CacheStore(HotTier(3 * block_bytes), ssd, B, warm=warm), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 3 * block_bytes, ram_bytes=1 << 30, ssd=tmp_path), FP, LAYERS, "m")
+    warm, ssd = cache.tiers.ram, cache.tiers.ssd
     copies = counted_host_copies(monkeypatch)
     tokens = list(range(10, 10 + 8 * B + 1))
     cache.store(tokens, kv(len(tokens)), final=True)  # 9 blocks; the hot tier keeps the last 3
-    assert cache.tiers.hot.stats()["blocks"] == 3 and warm.stats()["blocks"] == 6
+    assert cache.tiers.device.stats()["blocks"] == 3 and warm.stats()["blocks"] == 6
     assert cache.tiers.stats()["unwritten_blocks"] == 3
-    assert cache._unwritten_bytes == cache.tiers.hot.stats()["bytes"]  # no device bytes outside the budget
+    assert cache.write_back.unwritten_bytes() == cache.tiers.device.stats()["bytes"]  # no device bytes outside the budget
     assert ssd.flush(10) and ssd.stats()["writes"] == 6  # the evicted six, from their RAM copies
     assert [copy for _, copy in copies] == [True] * 6
-    assert not cache.write_back(idle=True)  # idle: the three left, viewed (not copied) for the writer
+    assert not cache.write_back.step(idle=True)  # idle: the three left, viewed (not copied) for the writer
     assert ssd.flush(10) and ssd.stats()["writes"] == 9
     assert len(copies) == 9 and len({key for key, _ in copies}) == 9  # each block out of device memory once
     ssd.close()
     again = open_cache(tmp_path)  # what was written from RAM copies restores as stored
-    again.prefill.observe(100, 0, 100.0)
-    caches, n = again.lookup(tokens)
+    again.costs.prefill.observe(100, 0, 100.0)
+    caches, n = restore(again, tokens)
     assert n == 8 * B
     for layer, c in enumerate(kv(len(tokens))):
         assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
@@ -768,9 +510,8 @@ def test_without_a_ram_tier_an_evicted_unwritten_block_goes_to_the_ssd_unless_it
     tmp_path: Path, monkeypatch
 ) -> None:
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    cache = PrefixCache(CacheStore(HotTier(2 * block_bytes), ssd, B), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 2 * block_bytes, ssd=tmp_path), FP, LAYERS, "m")
+    ssd = cache.tiers.ssd
     tokens = list(range(10, 10 + 4 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
     assert ssd.flush(10) and ssd.stats()["writes"] == 2  # the two the hot tier let go
@@ -780,7 +521,7 @@ def test_without_a_ram_tier_an_evicted_unwritten_block_goes_to_the_ssd_unless_it
     more = list(range(300, 300 + 2 * B + 1))
     cache.store(more, kv(len(more)), final=True)
     assert cache.tiers.stats()["unwritten_blocks"] == 5 and ssd.stats()["dropped_writes"] == 0
-    caches, n = cache.lookup(more)  # its first block waits outside the hot tier
+    caches, n = restore(cache, more)  # its first block waits outside the hot tier
     assert n == 2 * B and caches[0].offset == 2 * B
     monkeypatch.undo()
     cache.close(timeout=10)
@@ -793,20 +534,19 @@ def test_a_run_judged_slower_than_recompute_is_not_fetched_by_the_tail_search() 
     """The token-level tail search must not fetch, one block at a time, what the decision
     has just left for recomputing (on an H200 it did: a 'skipped' RAM restore came back as a
     256-token tail, and the request was 0.2-0.3 s slower than a miss)."""
-    warm = HotTier(1 << 30)
     block = 64  # a whole block is a tail long enough to be used on its own
-    cache = PrefixCache(CacheStore(HotTier(1), None, block, warm=warm), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(block, 1, ram_bytes=1 << 30), FP, LAYERS, "m")
     tokens = list(range(10, 10 + 6 * block + 1))
     cache.store(tokens, kv(len(tokens)), final=True)  # hot holds nothing: all blocks go to RAM
-    cache.prefill.observe(100_000, 0, 1e-6)  # recompute: 10^11 tokens/s
-    cache.warm_copy_rate.observe(1e6, 1.0)  # RAM: 1 MB/s (copied: the hot tier cannot keep the run)
-    caches, n = cache.lookup(tokens + [7, 7, 7])
+    cache.costs.prefill.observe(100_000, 0, 1e-6)  # recompute: 10^11 tokens/s
+    cache.costs.ram_copy_rate.observe(1e6, 1.0)  # RAM: 1 MB/s (copied: the hot tier cannot keep the run)
+    caches, n = restore(cache, tokens + [7, 7, 7])
     assert (caches, n) == (None, 0)
     assert cache.tiers.counters.skipped_restores == 1
 
 
 def test_one_slow_prefill_barely_moves_the_estimate_but_a_lasting_slowdown_does() -> None:
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
 
     cost = PrefillCost()
     for _ in range(5):
@@ -824,16 +564,16 @@ def test_the_hot_tier_evicts_chains_from_their_ends() -> None:
     last blocks, not its first (with blocks refreshed root first, the LRU did the opposite and
     kept tails no lookup could reach)."""
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    cache = PrefixCache(CacheStore(HotTier(3 * block_bytes), None, B), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 3 * block_bytes), FP, LAYERS, "m")
     long_chain = list(range(10, 10 + 5 * B))
     cache.store(long_chain, kv(len(long_chain)), final=True)  # 5 blocks, room for 3
-    _, n = cache.lookup(long_chain + [1])
+    _, n = restore(cache, long_chain + [1])
     assert n == 3 * B  # its first three
     other = list(range(300, 300 + 2 * B))
     cache.store(other, kv(len(other)), final=True)  # pushes out two blocks of the first chain
-    _, n = cache.lookup(other + [1])
+    _, n = restore(cache, other + [1])
     assert n == 2 * B
-    _, n = cache.lookup(long_chain + [1])
+    _, n = restore(cache, long_chain + [1])
     assert n == B  # its first block is still there
 
 
@@ -841,20 +581,19 @@ def test_a_prefix_served_from_memory_stays_on_the_ssd(tmp_path: Path) -> None:
     """The SSD's budget drops its least recently used blocks; a prefix every request takes from
     the hot tier is in use, and must outlive one nobody asked for since."""
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    ssd = SSDTier(tmp_path, 5 * block_bytes)  # room for 5 blocks (plus their headers: fewer)
-    assert ssd.wait_ready(10)
-    cache = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 1 << 30, ssd=tmp_path, ssd_bytes=5 * block_bytes), FP, LAYERS, "m")
+    ssd = cache.tiers.ssd
     chains = [list(range(base, base + 2 * B)) for base in (10, 300, 600)]
 
     def stored(tokens: list[int]) -> None:
         cache.store(tokens, kv(len(tokens)), final=True)
-        while cache.write_back(idle=True):
+        while cache.write_back.step(idle=True):
             pass
         assert ssd.flush(10)
 
     stored(chains[0])  # used by every request below, from device memory
     stored(chains[1])  # never asked for again
-    _, n = cache.lookup(chains[0] + [1])
+    _, n = restore(cache, chains[0] + [1])
     assert n == 2 * B
     stored(chains[2])  # over the SSD's budget
     assert ssd.stats()["evictions"] >= 1
@@ -873,9 +612,8 @@ def test_evicted_unwritten_blocks_without_a_ram_copy_are_written_by_their_own_en
     import threading
 
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    store = CacheStore(HotTier(2 * block_bytes), ssd, B)
+    store = make_tiers(B, 2 * block_bytes, ssd=tmp_path)
+    ssd = store.ssd
     mine = PrefixCache(store, FP, LAYERS, "m")
     tokens = list(range(10, 10 + 2 * B))
     mine.store(tokens, kv(len(tokens)), final=True)
@@ -888,7 +626,7 @@ def test_evicted_unwritten_blocks_without_a_ram_copy_are_written_by_their_own_en
     assert ssd.flush(10) and ssd.stats()["writes"] == 0  # not copied out on that thread
     assert mine.tiers.stats()["unwritten_blocks"] == 4
     copies = counted_host_copies(monkeypatch)
-    assert not mine.write_back(idle=False)  # busy, under the bound: still its two go
+    assert not mine.write_back.step(idle=False)  # busy, under the bound: still its two go
     assert ssd.flush(10) and ssd.stats()["writes"] == 2
     assert sorted(copies) == sorted((k, False) for k in block_keys(FP, tokens, B))
     ssd.close()
@@ -896,17 +634,15 @@ def test_evicted_unwritten_blocks_without_a_ram_copy_are_written_by_their_own_en
 
 def test_a_block_that_waited_for_room_is_written_from_its_ram_copy(tmp_path: Path, monkeypatch) -> None:
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    warm = HotTier(1 << 30)
-    cache = PrefixCache(CacheStore(HotTier(block_bytes), ssd, B, warm=warm), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, block_bytes, ram_bytes=1 << 30, ssd=tmp_path), FP, LAYERS, "m")
+    warm, ssd = cache.tiers.ram, cache.tiers.ssd
     monkeypatch.setattr(ssd, "has_room", lambda: False)
     tokens = list(range(10, 10 + 3 * B))
     cache.store(tokens, kv(len(tokens)), final=True)  # two pushed out to RAM, kept waiting
     assert warm.stats()["blocks"] == 2 and cache.tiers.stats()["unwritten_blocks"] == 3
     monkeypatch.undo()
     copies = counted_host_copies(monkeypatch)
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         pass
     assert ssd.flush(10) and ssd.stats()["writes"] == 3
     assert len(copies) == 1  # only the block still in device memory is viewed; the others are RAM's
@@ -919,12 +655,12 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
     ssd = cache.tiers.ssd
-    cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
-    cache.ssd_rate.observe(1e6, 0.001)  # the SSD so far: 1 GB/s
-    cache.bytes_per_token = 2 * LAYERS * 2 * 8 * 4
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    cache.costs.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
+    cache.costs.ssd_rate.observe(1e6, 0.001)  # the SSD so far: 1 GB/s
+    cache.costs.bytes_per_token = 2 * LAYERS * 2 * 8 * 4
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
     keys = block_keys(FP, tokens, B)
-    _, n = cache.lookup(tokens[: B + 1])  # the first block restored in line: it is in device memory now
+    _, n = restore(cache, tokens[: B + 1])  # the first block restored in line: it is in device memory now
     assert n == B
     real_load = SSDTier._load
 
@@ -935,10 +671,9 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
     monkeypatch.setattr(SSDTier, "_load", slow_load)
     done = threading.Event()
     hits = ssd.stats()["hits"]
-    pending = cache.prefetch(tokens, done.set)
-    assert pending is not None and pending.keys == keys[1:8] and done.wait(10)
-    cache.take(pending)
-    cache.tiers.hot.clear()  # meanwhile the first block left device memory
+    pending = read_ahead(cache, tokens, done.set)
+    assert pending is not None and pending.plan.run_in(Tier.SSD).keys == tuple(keys[1:8]) and done.wait(10)
+    cache.tiers.device.clear()  # meanwhile the first block left device memory
     read_in_line: list[list[str]] = []
     real_get_many = ssd.get_many
 
@@ -947,45 +682,33 @@ def test_an_ssd_run_is_read_ahead_and_restored_without_touching_the_disk(tmp_pat
         return real_get_many(run, fp)
 
     monkeypatch.setattr(ssd, "get_many", counting)
-    caches, n = cache.lookup(tokens)
+    caches, n = cache.cache_for(pending)
     assert n == 8 * B
     assert read_in_line == [keys[:1]]  # only the block that was not read ahead
     assert ssd.stats()["hits"] == hits + 8  # reads ahead count as hits, as those in line do
     for layer, c in enumerate(kv(len(tokens))):
         assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
     # the read-ahead's time (7 blocks of 0.2 s on 4 threads: >= 0.4 s) counts as restore time
-    assert cache.ssd_rate.value < 1e8
-    assert cache.prefetch(list(range(900, 900 + 4 * B)), done.set) is None  # nothing on the SSD
+    assert cache.costs.ssd_rate.value < 1e8
+    assert read_ahead(cache, list(range(900, 900 + 4 * B)), done.set) is None  # nothing on the SSD
     ssd.close()
 
 
-def test_an_admission_hashes_its_prompt_once_and_no_other_prompt_gets_its_keys(tmp_path: Path, monkeypatch) -> None:
-    # a request's read-ahead and lookup share its block keys; the next prompt, even one of the
-    # same length, is hashed anew
-    from omlx.cache import prefix_cache
+def test_an_admission_hashes_its_prompt_once_and_the_plan_carries_its_keys(tmp_path: Path, monkeypatch) -> None:
+    # `match` hashes a prompt's blocks once per admission; the loader takes the keys from the plan
+    # (no state kept between calls: before, a read-ahead left its keys for a lookup of the same list)
+    from omlx.cache.plan import planner
 
     tokens = list(range(10, 10 + 4 * B + 1))
     stored(tmp_path, tokens)
     cache = open_cache(tmp_path)
-    cache.bytes_per_token = 2 * LAYERS * 2 * 8 * 4  # measured: the read-ahead looks at the tiers
+    cache.costs.bytes_per_token = 2 * LAYERS * 2 * 8 * 4  # measured: the plan looks at the tiers
     hashed: list[list[int]] = []
-    real = prefix_cache.block_keys
-    monkeypatch.setattr(prefix_cache, "block_keys", lambda fp, ids, b: hashed.append(ids) or real(fp, ids, b))
-    other = list(range(500, 500 + 4 * B + 1))
-    cache.prefetch(tokens, lambda: None)
-    assert cache.lookup(other) == (None, 0)  # another prompt's lookup: its own keys
-    assert [h is other for h in hashed] == [False, True]
-    hashed.clear()
-    cache.prefetch(tokens, lambda: None)
-    _, n = cache.lookup(tokens)
-    assert n == 4 * B and hashed == [tokens]  # once for both
-    hashed.clear()
-    cache.tiers.hot.clear()
-    cache.prefetch(tokens, lambda: None)
-    _, n = cache.lookup(list(tokens))  # equal, but another list: hashed again, still found
-    assert n == 4 * B and len(hashed) == 2
-    cache.tiers.ssd.close()
-
+    real = planner.block_keys
+    monkeypatch.setattr(planner, "block_keys", lambda fp, ids, b: hashed.append(ids) or real(fp, ids, b))
+    plan = cache.match(tokens)
+    _, n = cache.cache_for(cache.load(plan))
+    assert n == 4 * B and hashed == [tokens] and plan.keys == tuple(block_keys(FP, tokens, B))
 
 def test_reads_ahead_do_not_hold_up_reads_in_line(tmp_path: Path, monkeypatch) -> None:
     slow = list(range(10, 10 + 8 * B))
@@ -1019,128 +742,16 @@ def test_reads_ahead_do_not_hold_up_reads_in_line(tmp_path: Path, monkeypatch) -
     ssd.close()
 
 
-def test_a_request_restoring_from_the_ssd_does_not_stall_the_others(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    """Its blocks are read on the SSD tier's threads while the engine keeps decoding; read in
-    `lookup` (on the engine thread), every running stream waited for the disk."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from omlx.engine.llm_engine import LLMEngine
-    from omlx.engine.request import GenerationRequest, SamplingParams
-
-    def loader() -> SimpleNamespace:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
-
-    made: list[PrefixCache] = []
-
-    def engine(root: Path) -> LLMEngine:
-        ssd = SSDTier(root, 1 << 30)
-        assert ssd.wait_ready(10)
-        store = CacheStore(HotTier(1 << 30), ssd, B)
-
-        def factory(loaded: SimpleNamespace) -> PrefixCache:
-            made.append(PrefixCache(store, FP, len(loaded.model.layers), "m"))
-            return made[-1]
-
-        return LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=factory)
-
-    def request(rid: str, prompt: list[int], n: int) -> GenerationRequest:
-        return GenerationRequest(rid, prompt, n, SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: -100.0, 2: -100.0}))
-
-    shared = [5 + (i * 7) % 390 for i in range(12 * B)]
-
-    async def first_run(e: LLMEngine) -> list[int]:
-        await e.wait_ready()
-        return [t async for ev in e.generate(request("a", shared, 8)) for t in ev.token_ids]
-
-    e1 = engine(tmp_path)
-    expected = asyncio.run(first_run(e1))
-    e1.shutdown()  # writes its blocks to the SSD
-    made[-1].tiers.ssd.close()
-
-    e2 = engine(tmp_path)  # after a restart: the prefix is on the SSD only
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
-    real_load = SSDTier._load
-
-    def slow_load(self, *args):  # a slow disk: 0.6 s a block, on the reader threads
-        time.sleep(0.6)
-        return real_load(self, *args)
-
-    monkeypatch.setattr(SSDTier, "_load", slow_load)
-
-    async def second_run() -> tuple[list[int], float, float, int, list[Any]]:
-        await e2.wait_ready()
-        cache = made[-1]
-        # recomputing is slow (a second a token, whatever this engine's own prefills show): restore
-        monkeypatch.setattr(cache.prefill, "seconds", lambda n, depth=0: float(n))
-        cache.ssd_rate.observe(1e9, 1.0)
-        cache.bytes_per_token = 1
-        gaps: list[float] = []
-        window = [0.0, 0.0]
-
-        async def background() -> None:
-            for k in range(20):  # one stream after another until the restore is over (a GPU decodes fast)
-                last = None
-                async for _ev in e2.generate(request(f"bg{k}", [9 + (i * 11) % 390 for i in range(20)], 1500)):
-                    now = time.perf_counter()
-                    if last is not None and window[0] and not window[1]:
-                        gaps.append(now - last)
-                    last = now
-                    if window[1]:
-                        return
-            raise AssertionError("the other streams ended before the restore did: nothing measured")
-
-        bg = asyncio.create_task(background())
-        await asyncio.sleep(0.3)  # decoding
-        window[0] = time.perf_counter()
-        got, cached = [], 0
-        async for ev in e2.generate(request("b", shared, 8)):
-            if not got and ev.token_ids:
-                window[1] = time.perf_counter()
-            got += ev.token_ids
-            cached = ev.cached_tokens or cached
-        await bg
-
-        # a client that goes away while its prefix is being read: the engine forgets it
-        cache.tiers.hot.clear()  # the prefix is on the SSD only again
-        stream = e2.generate(request("c", shared, 8))
-        pending = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.3)
-        restoring = [len(e2.scheduler.restoring)]
-        pending.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pending
-        await stream.aclose()
-        for _ in range(30):  # long before its reads are over (11 blocks of 0.6 s on 4 threads)
-            if not e2.scheduler.restoring and e2.waiting_count == 0:
-                break
-            await asyncio.sleep(0.01)
-        restoring.append(len(e2.scheduler.restoring) + e2.waiting_count)
-        after = [t async for ev in e2.generate(request("d", shared, 8)) for t in ev.token_ids]
-        return got, window[1] - window[0], max(gaps), cached, [restoring, after]
-
-    try:
-        got, ttft, worst_gap, cached, (restoring, after) = asyncio.run(second_run())
-    finally:
-        e2.shutdown()
-        made[-1].tiers.ssd.close()
-    assert cached == 12 * B - B and got == expected  # restored from the SSD (all but the last block)
-    assert ttft > 1.2  # it waited for the disk (11 blocks of 0.6 s on 4 threads)...
-    assert worst_gap < 0.5  # ...and the other stream did not (read in line: one gap of >= 1.8 s)
-    assert restoring == [1, 0] and after == expected
 
 
-def prompt_in_ram() -> tuple[CacheStore, PrefixCache, list[int]]:
+def prompt_in_ram() -> tuple[Tiers, PrefixCache, list[int]]:
     """A stored prompt of 8 blocks (and its tail) all in RAM, device memory empty with room."""
-    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
+    store = make_tiers(B, 1 << 30, ram_bytes=1 << 30)
     cache = PrefixCache(store, FP, LAYERS, "m")
     tokens = list(range(10, 10 + 8 * B + 1))
     cache.store(tokens, kv(len(tokens)), final=True)
-    store.hot.set_max_bytes(0)  # everything goes to RAM...
-    store.hot.set_max_bytes(1 << 30)  # ...and device memory has room again
+    store.device.set_max_bytes(0)  # everything goes to RAM...
+    store.device.set_max_bytes(1 << 30)  # ...and device memory has room again
     return store, cache, tokens
 
 
@@ -1150,159 +761,72 @@ def test_a_ram_run_moves_to_device_memory_a_chunk_per_engine_loop(monkeypatch) -
 
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     store, cache, tokens = prompt_in_ram()
-    assert store.warm.stats()["blocks"] == 9 and store.hot.stats()["blocks"] == 0
-    cache.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
-    cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
-    monkeypatch.setattr("omlx.cache.read_ahead.RESTORE_CHUNK", 2 * block_bytes)
-    pending = cache.prefetch(tokens, lambda: None)
-    assert pending is not None and pending.needs_engine and not pending.futures
+    assert store.ram.stats()["blocks"] == 9 and store.device.stats()["blocks"] == 0
+    cache.costs.prefill.observe(100, 0, 100.0)  # recompute: 1 token/s
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.loader.loader.MOVE_CHUNK", 2 * block_bytes)
+    pending = read_ahead(cache, tokens)
+    assert pending is not None and pending.needs_engine and not pending.reads
     in_device = []
     while not cache.advance(pending, move=True):
-        in_device.append(store.hot.stats()["blocks"])
-    in_device.append(store.hot.stats()["blocks"])
+        in_device.append(store.device.stats()["blocks"])
+    in_device.append(store.device.stats()["blocks"])
     assert in_device == [2, 4, 6, 8]  # two blocks a loop
     assert cache.advance(pending, move=False)  # ready stays ready
 
     def no_ram(*_a, **_k):
         raise AssertionError("lookup copied from RAM")
 
-    monkeypatch.setattr(cache, "_from_warm", no_ram)
-    cache.take(pending)
-    caches, n = cache.lookup(tokens)
+    monkeypatch.setattr(cache.loader.reads, "from_ram", no_ram)
+    caches, n = cache.cache_for(pending)
     assert n == 8 * B
     for layer, c in enumerate(kv(len(tokens))):
         assert mx.array_equal(caches[layer].state[0], c.keys[:, :, : 8 * B, :])
     # the root ends most recently used: a squeeze takes the chain's end first
-    store.hot.set_max_bytes(3 * block_bytes)
+    store.device.set_max_bytes(3 * block_bytes)
     monkeypatch.undo()
-    assert cache.lookup(tokens[: 3 * B + 1])[1] == 3 * B
+    assert restore(cache, tokens[: 3 * B + 1])[1] == 3 * B
 
 
 @pytest.mark.parametrize("recompute_per_token", [1.0, 1e-9])
 def test_each_restore_decision_of_an_admission_is_logged_once(
     recompute_per_token: float, monkeypatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # the read-ahead judges the RAM run, and `lookup` judges again what was not made ready
-    # ahead: one debug line per decision, whether the run is moved ahead (recomputing is
-    # slow) or left for recomputing (fast)
+    # the plan judges the RAM run once: one debug line per decision carried out, whether the
+    # run is moved ahead (recomputing is slow) or left for recomputing (fast)
     import logging
 
-
     store, cache, tokens = prompt_in_ram()
-    cache.prefill.observe(1000, 0, 1000 * recompute_per_token)
-    cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    cache.costs.prefill.observe(1000, 0, 1000 * recompute_per_token)
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
     with caplog.at_level(logging.DEBUG, logger="omlx.cache"):
-        pending = cache.prefetch(tokens, lambda: None)
-        if pending is not None:
-            while not cache.advance(pending, move=True):
-                pass
-            cache.take(pending)
-        _, n = cache.lookup(tokens)
+        loading = cache.load(cache.match(tokens))
+        while loading.pending and not cache.advance(loading, move=True):
+            pass
+        _, n = cache.cache_for(loading)
     decisions = [r.getMessage() for r in caplog.records if "vs recompute" in r.getMessage()]
     moved_ahead = recompute_per_token == 1.0
-    assert (pending is not None) == moved_ahead and n == (8 * B if moved_ahead else 0)
+    assert loading.plan.ahead == moved_ahead and n == (8 * B if moved_ahead else 0)
     assert len(decisions) == 1, decisions
     assert (": restore (" in decisions[0]) == moved_ahead, decisions
 
 
-def test_an_engine_restores_from_ram_ahead_and_answers_as_before(tiny_model_dir: Path, monkeypatch) -> None:
-    import asyncio
-    from types import SimpleNamespace
-
-    from omlx.engine.llm_engine import LLMEngine
-    from omlx.engine.request import GenerationRequest, SamplingParams
-
-    def loader() -> SimpleNamespace:
-        from mlx_lm import load
-
-        model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
-
-    warm = HotTier(1 << 30)
-    store = CacheStore(HotTier(1 << 30), None, B, warm=warm)
-    made: list[PrefixCache] = []
-
-    def factory(loaded: SimpleNamespace) -> PrefixCache:
-        made.append(PrefixCache(store, FP, len(loaded.model.layers), "m"))
-        return made[-1]
-
-    engine = LLMEngine("m", loader, max_concurrent=4, prefix_cache_factory=factory)
-    prompt = [5 + (i * 7) % 390 for i in range(12 * B)]
-    bias = {0: -100.0, 1: -100.0, 2: -100.0}
-    # (move, tokens the running requests had decoded so far) at each call
-    advanced: list[tuple[bool, int]] = []
-    real_advance = PrefixCache.advance
-
-    def counting(self, prefetched, move, alone=False):
-        advanced.append((move, sum(s.completion_tokens for s in engine.scheduler.running.values())))
-        return real_advance(self, prefetched, move, alone)
-
-    observed: list[float] = []  # bytes of each RAM rate observation
-
-    def push_out() -> None:  # the prompt's blocks go to RAM
-        store.hot.set_max_bytes(0)
-        store.hot.set_max_bytes(1 << 30)
-
-    async def run(rid: str, tokens: list[int], n: int = 8) -> tuple[list[int], int]:
-        got, cached = [], 0
-        async for ev in engine.generate(GenerationRequest(rid, tokens, n, SamplingParams(temperature=0.0, logit_bias=bias))):
-            got += ev.token_ids
-            cached = ev.cached_tokens or cached
-        return got, cached
-
-    async def main() -> list[tuple[list[int], int]]:
-        await engine.wait_ready()
-        first = await run("a", prompt)
-        await engine.call(lambda: None)  # after the engine stored its blocks (behind the answer)
-        push_out()
-        made[-1].prefill.observe(100, 0, 100.0)  # recomputing is slow: restore
-        made[-1].warm_rate.observe(1e9, 1.0)
-        monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
-        monkeypatch.setattr("omlx.cache.read_ahead.RESTORE_CHUNK", 1)  # a block per loop, while others run
-        monkeypatch.setattr(PrefixCache, "advance", counting)
-        real_observe = made[-1].warm_rate.observe
-        monkeypatch.setattr(made[-1].warm_rate, "observe", lambda n, s: observed.append(n) or real_observe(n, s))
-        alone = await run("b", prompt)  # nothing else runs: the whole run moves in one loop
-        lone_moves, lone_observed = list(advanced), list(observed)
-        advanced.clear()
-        await engine.call(lambda: None)
-        push_out()
-        other = asyncio.create_task(run("c", [9 + (i * 5) % 380 for i in range(3 * B)], 120))
-        while not engine.scheduler.running:  # decoding, while the next request's prefix comes back
-            await asyncio.sleep(0.01)
-        beside = await run("d", prompt)
-        await other
-        return [first, alone, beside, (lone_moves, lone_observed)]
-
-    try:
-        (first, _), (alone, cached_alone), (beside, cached_beside), (lone_moves, lone_observed) = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    # all but the last token, restored ahead (on a CUDA GPU in whole blocks: solo.py's grid)
-    usable = len(prompt) - 1 - ((len(prompt) - 1) % B if discrete_gpu() else 0)
-    assert alone == beside == first and cached_alone == cached_beside == usable
-    assert [move for move, _ in lone_moves] == [True]  # alone: all of it at once ...
-    block_bytes = made[-1].B * made[-1].bytes_per_token
-    assert lone_observed == [(len(prompt) - 1) // B * block_bytes]  # ... and timed as one move
-    moves = [decoded for move, decoded in advanced if move]
-    assert len(moves) >= 11  # beside a decoding stream: one block a loop ...
-    assert moves[-1] > moves[0]  # ... and the stream went on decoding between them
 
 
 def ram_only_cache(hot_bytes: int, monkeypatch) -> tuple[PrefixCache, list[int]]:
     """A cache whose 8-block chain (plus a 1-token tail) sits in RAM only, rates measured."""
 
-    store = CacheStore(HotTier(1 << 30), None, B, warm=HotTier(1 << 30))
+    store = make_tiers(B, 1 << 30, ram_bytes=1 << 30)
     cache = PrefixCache(store, FP, LAYERS, "m")
     tokens = list(range(10, 10 + 8 * B + 1))
     cache.store(tokens, kv(len(tokens)), final=True)
-    store.hot.set_max_bytes(0)
-    store.hot.set_max_bytes(hot_bytes)
-    cache.prefill.observe(100, 0, 100.0)
-    cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
+    store.device.set_max_bytes(0)
+    store.device.set_max_bytes(hot_bytes)
+    cache.costs.prefill.observe(100, 0, 100.0)
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
     return cache, tokens
 
 
@@ -1311,43 +835,42 @@ def test_a_recomputed_prefix_that_ram_holds_is_made_again_only_if_the_hot_tier_c
     a hot tier that can hold them; not when it cannot, where each would be made (a device
     copy per layer, on the engine thread before the next request) only to go back to RAM."""
     for hot_bytes, remade in ((1, 0), (1 << 30, 5)):
-        warm = HotTier(1 << 30)
-        cache = PrefixCache(CacheStore(HotTier(hot_bytes), None, B, warm=warm), FP, LAYERS, "m")
+        cache = PrefixCache(make_tiers(B, hot_bytes, ram_bytes=1 << 30), FP, LAYERS, "m")
+        warm = cache.tiers.ram
         tokens = list(range(10, 10 + 4 * B + 1))
         cache.store(tokens, kv(len(tokens)), final=True)
-        cache.tiers.hot.set_max_bytes(0)  # all let go to RAM: RAM alone holds the prefix
-        cache.tiers.hot.set_max_bytes(hot_bytes)
+        cache.tiers.device.set_max_bytes(0)  # all let go to RAM: RAM alone holds the prefix
+        cache.tiers.device.set_max_bytes(hot_bytes)
         made: list[str] = []
-        real = cache._block
-        monkeypatch.setattr(cache, "_block", lambda *a, made=made, real=real: made.append(a[0]) or real(*a))
+        real = BlockCutter.block
+        monkeypatch.setattr(BlockCutter, "block", lambda self, *a, made=made, real=real: made.append(a[0]) or real(self, *a))
         cache.store(tokens, kv(len(tokens)), final=True)  # the same prefix, recomputed
         assert len(made) == remade
         assert warm.stats()["blocks"] == 5
-        assert cache.tiers.hot.stats()["blocks"] == remade
+        assert cache.tiers.device.stats()["blocks"] == remade
 
 
 def test_requests_sharing_a_prefix_move_it_from_ram_once(monkeypatch) -> None:
     cache, tokens = ram_only_cache(1 << 30, monkeypatch)
-    first, second = cache.prefetch(tokens, lambda: None), cache.prefetch(tokens, lambda: None)
+    first, second = read_ahead(cache, tokens), read_ahead(cache, tokens, lambda: None)
     assert first is not None and second is not None
     while not cache.advance(first, move=True):
         pass
     copies = []
-    real = cache._from_warm
-    monkeypatch.setattr(cache, "_from_warm", lambda key, move: copies.append(key) or real(key, move))
+    real = cache.loader.reads.from_ram
+    monkeypatch.setattr(cache.loader.reads, "from_ram", lambda key, move: copies.append(key) or real(key, move))
     assert cache.advance(second, move=True) and copies == []  # the first one moved them all
-    assert cache.prefetch(tokens, lambda: None) is None  # in device memory now: nothing to do
+    assert read_ahead(cache, tokens, lambda: None) is None  # in device memory now: nothing to do
 
 
 def test_a_ram_run_larger_than_half_the_hot_tier_moves_only_its_start(monkeypatch) -> None:
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     cache, tokens = ram_only_cache(6 * block_bytes, monkeypatch)
-    pending = cache.prefetch(tokens, lambda: None)
-    assert pending is not None and pending.ram_keys == block_keys(FP, tokens, B)[:3]
+    pending = read_ahead(cache, tokens)
+    assert pending is not None and pending.to_move == block_keys(FP, tokens, B)[:3]
     while not cache.advance(pending, move=True):
         pass
-    cache.take(pending)
-    caches, n = cache.lookup(tokens)  # the other five come from RAM here
+    caches, n = cache.cache_for(pending)  # the other five come from RAM here
     assert n == 8 * B and caches[0].offset == 8 * B
 
 
@@ -1357,14 +880,14 @@ def test_a_run_restored_from_ram_moves_into_the_hot_tier_as_it_lies_in_ram(monke
     on an H200, against 1.7 GB/s for a new array from host bytes), and RAM lets it go. When
     the hot tier lets it go again it is copied out again."""
     cache, tokens = ram_only_cache(1 << 30, monkeypatch)
-    warm, hot = cache.tiers.warm, cache.tiers.hot
+    warm, hot = cache.tiers.ram, cache.tiers.device
     keys = block_keys(FP, tokens, B)[:8]
     staged = {key: warm.peek(key).staged for key in keys}
     made = []
     real = mx.array
     with monkeypatch.context() as m:
         m.setattr(mx, "array", lambda *a, **k: made.append(1) or real(*a, **k))
-        caches, n = cache.lookup(tokens)
+        caches, n = restore(cache, tokens)
     assert n == 8 * B and made == []  # no array made from host bytes
     assert not any(map(warm.contains, keys)) and all(map(hot.contains, keys))
     first = hot.peek(keys[0]).tensors[KV_STACK]
@@ -1379,20 +902,18 @@ def test_a_run_restored_from_ram_moves_into_the_hot_tier_as_it_lies_in_ram(monke
 
 def test_a_ram_block_the_ssd_writer_has_yet_to_read_is_copied_not_moved(tmp_path: Path) -> None:
     # moved, its pages would go to the device and the writer's reads would pull them back
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    warm = HotTier(1 << 30)
-    cache = PrefixCache(CacheStore(HotTier(1 << 30), ssd, B, warm=warm), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 1 << 30, ram_bytes=1 << 30, ssd=tmp_path), FP, LAYERS, "m")
+    warm, ssd = cache.tiers.ram, cache.tiers.ssd
     tokens = list(range(10, 10 + 2 * B + 1))
     cache.hold_writes(True)  # the writer waits (as during a lone prefill)
     cache.store(tokens, kv(len(tokens)), final=True)
-    cache.tiers.hot.set_max_bytes(0)  # pushed out: to RAM, and to the writer as RAM's copy
-    cache.tiers.hot.set_max_bytes(1 << 30)
+    cache.tiers.device.set_max_bytes(0)  # pushed out: to RAM, and to the writer as RAM's copy
+    cache.tiers.device.set_max_bytes(1 << 30)
     keys = block_keys(FP, tokens, B)[:2]
     assert all(map(ssd.writing, keys)) and all(map(warm.contains, keys))
-    cache.prefill.observe(100, 0, 100.0)
-    cache.warm_rate.observe(1e9, 1.0)
-    caches, n = cache.lookup(tokens)
+    cache.costs.prefill.observe(100, 0, 100.0)
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
+    caches, n = restore(cache, tokens)
     assert n == 2 * B and all(map(warm.contains, keys))  # copies: RAM keeps them for the writer
     cache.hold_writes(False)
     assert ssd.flush(10) and not any(map(ssd.writing, keys))
@@ -1402,11 +923,10 @@ def test_a_ram_block_the_ssd_writer_has_yet_to_read_is_copied_not_moved(tmp_path
 def test_a_ram_run_the_hot_tier_cannot_keep_is_copied_and_ram_keeps_it(monkeypatch) -> None:
     block_bytes = 2 * LAYERS * 2 * B * 8 * 4
     cache, tokens = ram_only_cache(3 * block_bytes, monkeypatch)
-    monkeypatch.setattr(cache, "prefetch", lambda *a: None)
     copies = counted_host_copies(monkeypatch)
-    caches, n = cache.lookup(tokens)
+    caches, n = restore(cache, tokens)
     keys = block_keys(FP, tokens, B)[:8]
-    assert n == 8 * B and all(map(cache.tiers.warm.contains, keys))
+    assert n == 8 * B and all(map(cache.tiers.ram.contains, keys))
     assert copies == []  # the copies the hot tier let go were RAM's: not copied out again
     assert mx.array_equal(caches[1].state[1], kv(len(tokens))[1].state[1][..., : 8 * B, :])
 
@@ -1414,9 +934,9 @@ def test_a_ram_run_the_hot_tier_cannot_keep_is_copied_and_ram_keeps_it(monkeypat
 BLOCK_BYTES = LAYERS * 2 * (2 * B * 8 * 4)  # keys and values of `kv`: 2 heads x 8 float32s a token
 
 
-def demoting(bound: int, *fingerprints: str) -> tuple[CacheStore, list[PrefixCache]]:
+def demoting(bound: int, *fingerprints: str) -> tuple[Tiers, list[PrefixCache]]:
     """A hot tier of two blocks, a RAM tier, evicted blocks waiting up to `bound` bytes."""
-    store = CacheStore(HotTier(2 * BLOCK_BYTES), None, B, warm=HotTier(1 << 30), demote_bound=bound)
+    store = make_tiers(B, 2 * BLOCK_BYTES, ram_bytes=1 << 30, demote_bound=bound)
     return store, [PrefixCache(store, fp, LAYERS, "m") for fp in fingerprints or (FP,)]
 
 
@@ -1424,8 +944,8 @@ def test_blocks_a_restore_pushes_out_wait_for_the_idle_engine_beyond_the_bound(m
     # moving a prompt back from RAM into a full hot tier pushes out as much: copied out on the
     # spot beyond the bound (1.4 GB/s on an H200), a 4.2 GB restore ran at 1.3 GB/s, not ~7
     store, (cache,) = demoting(1)  # evictions wait for no one, except a restore's
-    cache.prefill.observe(100, 0, 100.0)
-    cache.warm_rate.observe(1e9, 1.0)
+    cache.costs.prefill.observe(100, 0, 100.0)
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
     a, b = list(range(10, 10 + 2 * B + 1)), list(range(500, 500 + 2 * B + 1))
     cache.store(a, kv(len(a)), final=True)
     copies = counted_host_copies(monkeypatch)
@@ -1434,43 +954,42 @@ def test_blocks_a_restore_pushes_out_wait_for_the_idle_engine_beyond_the_bound(m
     cache.store(b, kv(len(b)), final=True)
     tail = BLOCK_BYTES // B
     assert len(copies) == 1 and store.stats()["demoting_bytes"] == BLOCK_BYTES + 2 * tail
-    while cache.write_back(idle=True):  # the idle engine copies them
+    while cache.write_back.step(idle=True):  # the idle engine copies them
         pass
-    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0 and store._restored == 0
-    caches, n = cache.lookup(a)  # a comes back from RAM, b's blocks make room
+    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0 and store.demotion._moved_in == 0
+    caches, n = restore(cache, a)  # a comes back from RAM, b's blocks make room
     assert n == 2 * B and len(copies) == 4 and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES
     assert mx.array_equal(caches[0].state[0], kv(len(a))[0].state[0][..., : 2 * B, :])
     for _ in range(4):  # a busy engine: what passes half of what may wait goes, and the allowance with it
-        cache.write_back(idle=False)
-    assert len(copies) == 6 and store.stats()["demoting_bytes"] == 0 and store._restored == 0
-    assert all(store.warm.contains(k) for k in block_keys(FP, b, B)[:2])
+        cache.write_back.step(idle=False)
+    assert len(copies) == 6 and store.stats()["demoting_bytes"] == 0 and store.demotion._moved_in == 0
+    assert all(store.ram.contains(k) for k in block_keys(FP, b, B)[:2])
 
 
 def test_a_prefetch_moving_a_block_per_loop_lets_what_it_pushes_out_wait_too(monkeypatch) -> None:
     # the allowance is the restore's, not one chunk's: at 8B, a prefetch past the bound copied
     # out on the spot and moved 2.5 GB at ~1.5 GB/s
 
-    store = CacheStore(HotTier(4 * BLOCK_BYTES), None, B, warm=HotTier(1 << 30), demote_bound=1)
+    store = make_tiers(B, 4 * BLOCK_BYTES, ram_bytes=1 << 30, demote_bound=1)
     cache = PrefixCache(store, FP, LAYERS, "m")
-    cache.prefill.observe(100, 0, 100.0)
-    cache.warm_rate.observe(1e9, 1.0)
-    monkeypatch.setattr("omlx.cache.read_ahead.PREFETCH_MIN_BYTES", 1)
-    monkeypatch.setattr("omlx.cache.read_ahead.RESTORE_CHUNK", 1)  # a block per loop
+    cache.costs.prefill.observe(100, 0, 100.0)
+    cache.costs.ram_move_rate.observe(1e9, 1.0)
+    monkeypatch.setattr("omlx.cache.plan.planner.AHEAD_MIN_BYTES", 1)
+    monkeypatch.setattr("omlx.cache.loader.loader.MOVE_CHUNK", 1)  # a block per loop
     a, b = list(range(10, 10 + 2 * B)), list(range(500, 500 + 4 * B))
     cache.store(a, kv(len(a)), final=True)
     copies = counted_host_copies(monkeypatch)
     cache.store(b, kv(len(b)), final=True)  # a pushed out: waits (the store's allowance)
     assert copies == [] and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES
-    while cache.write_back(idle=True):  # then the idle engine copies it to RAM
+    while cache.write_back.step(idle=True):  # then the idle engine copies it to RAM
         pass
     assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
-    pending = cache.prefetch(a + [1], lambda: None)
-    assert pending is not None and len(pending.ram_keys) == 2
+    pending = read_ahead(cache, a + [1], lambda: None)
+    assert pending is not None and len(pending.to_move) == 2
     assert not cache.advance(pending, move=True) and cache.advance(pending, move=True)
     assert len(copies) == 2 and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES  # b's two wait
-    cache.take(pending)
-    assert cache.lookup(a + [1])[1] == 2 * B
-    while cache.write_back(idle=True):
+    assert cache.cache_for(pending)[1] == 2 * B
+    while cache.write_back.step(idle=True):
         pass
     assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0
 
@@ -1484,15 +1003,15 @@ def test_blocks_the_hot_tier_lets_go_reach_ram_from_their_own_engine_when_it_is_
     tokens = list(range(10, 10 + 6 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
     assert copies == [] and store.stats()["demoting_bytes"] == 4 * BLOCK_BYTES  # 4 of 6 let go
-    assert cache.write_back(idle=False) and copies == []  # a busy engine: not yet
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)
-    assert cache.write_back(idle=True) and len(copies) == 1 and store.warm.stats()["blocks"] == 1
-    caches, n = cache.lookup(tokens)  # wanted again: taken back from device memory, not copied
+    assert cache.write_back.step(idle=False) and copies == []  # a busy engine: not yet
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)
+    assert cache.write_back.step(idle=True) and len(copies) == 1 and store.ram.stats()["blocks"] == 1
+    caches, n = restore(cache, tokens)  # wanted again: taken back from device memory, not copied
     assert n == 6 * B - 1 and len(copies) == 1  # all but the last token
     assert mx.array_equal(caches[0].state[0][..., :n, :], kv(len(tokens))[0].state[0][..., :n, :])
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         pass
-    assert store.stats()["demoting_bytes"] == 0 and store.leaving(block_keys(FP, tokens, B)[0]) is False
+    assert store.stats()["demoting_bytes"] == 0 and store.directory.is_demoting(block_keys(FP, tokens, B)[0]) is False
 
 
 def test_past_the_bound_a_block_the_hot_tier_lets_go_is_copied_at_once(monkeypatch) -> None:
@@ -1503,11 +1022,11 @@ def test_past_the_bound_a_block_the_hot_tier_lets_go_is_copied_at_once(monkeypat
     # 4 let go: the bound (a block) and the store's allowance (the hot tier's size, 2 blocks) let
     # 3 wait; the one past them is copied at once
     assert len(copies) == 1 and store.stats()["demoting_bytes"] == 3 * BLOCK_BYTES
-    assert cache.write_back(idle=False)  # busy: while they fill over half of what may wait, they go
+    assert cache.write_back.step(idle=False)  # busy: while they fill over half of what may wait, they go
     assert len(copies) == 3 and store.stats()["demoting_bytes"] == BLOCK_BYTES
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         pass
-    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0 and store._restored == 0
+    assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0 and store.demotion._moved_in == 0
 
 
 def test_a_busy_engine_copies_blocks_out_within_its_share_of_time(monkeypatch) -> None:
@@ -1520,21 +1039,21 @@ def test_a_busy_engine_copies_blocks_out_within_its_share_of_time(monkeypatch) -
         now[0] += 0.01
         return now[0]
 
-    cache.pacer = CopyPacer(share=0.1, burst=0.02, clock=clock)
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)  # a block per loop, as at 8B
+    cache.write_back.pacer = CopyPacer(share=0.1, burst=0.02, clock=clock)
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)  # a block per loop, as at 8B
     copies = counted_host_copies(monkeypatch)
     tokens = list(range(10, 10 + 6 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
     assert len(copies) == 1 and store.stats()["demoting_bytes"] == 3 * BLOCK_BYTES  # as above
-    assert cache.write_back(idle=False) and len(copies) == 2  # nothing spent yet: one copy
-    assert cache.pacer.balance == pytest.approx(-0.01)  # its 10 ms
-    assert cache.write_back(idle=False) is False and len(copies) == 2  # 30 ms later: 3 ms earned back
+    assert cache.write_back.step(idle=False) and len(copies) == 2  # nothing spent yet: one copy
+    assert cache.write_back.pacer.balance == pytest.approx(-0.01)  # its 10 ms
+    assert cache.write_back.step(idle=False) is False and len(copies) == 2  # 30 ms later: 3 ms earned back
     now[0] += 1.0  # a second later the balance is at most the burst: one copy
-    assert cache.write_back(idle=False) and len(copies) == 3
+    assert cache.write_back.step(idle=False) and len(copies) == 3
     moved = store.stats()["device_to_host"]
     assert moved["demoted"]["bytes"] == 2 * BLOCK_BYTES and moved["evicted"]["bytes"] == BLOCK_BYTES
-    cache.pacer.balance = -1.0
-    while cache.write_back(idle=True):  # idle: not paced
+    cache.write_back.pacer.balance = -1.0
+    while cache.write_back.step(idle=True):  # idle: not paced
         pass
     assert len(copies) == 4 and store.stats()["demoting_bytes"] == 0
 
@@ -1548,12 +1067,12 @@ def test_memory_the_hot_tier_yields_leaves_the_device_at_once(monkeypatch) -> No
     copies = counted_host_copies(monkeypatch)
     assert cache.yield_memory(BLOCK_BYTES) == BLOCK_BYTES
     assert len(copies) == 1 and store.stats()["demoting_bytes"] == 0
-    assert store.warm.contains(block_keys(FP, tokens, B)[1])  # the deepest went first
+    assert store.ram.contains(block_keys(FP, tokens, B)[1])  # the deepest went first
     more = list(range(500, 500 + 3 * B))
     cache.store(more, kv(len(more)), final=True)  # 2 blocks pushed out wait for their copy
-    assert store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES and store.hot.stats()["blocks"] == 2
+    assert store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES and store.device.stats()["blocks"] == 2
     assert cache.yield_memory(BLOCK_BYTES) == BLOCK_BYTES  # a waiting block goes first
-    assert len(copies) == 2 and store.stats()["demoting_bytes"] == BLOCK_BYTES and store.hot.stats()["blocks"] == 2
+    assert len(copies) == 2 and store.stats()["demoting_bytes"] == BLOCK_BYTES and store.device.stats()["blocks"] == 2
 
 
 def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unload(monkeypatch) -> None:
@@ -1565,7 +1084,7 @@ def test_each_engine_copies_only_its_own_evicted_blocks_and_all_of_them_at_unloa
     tokens = list(range(10, 10 + 2 * B))
     mine.store(tokens, kv(len(tokens)), final=True)  # pushes their two blocks out
     assert store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES
-    assert not mine.write_back(idle=True) and copies == []
+    assert not mine.write_back.step(idle=True) and copies == []
     theirs.close(timeout=1.0)  # an unload: what waits goes to RAM now
     assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
     assert {k for k, _ in copies} == set(block_keys("e" * 64, their_tokens, B))
@@ -1576,22 +1095,21 @@ def test_a_block_waiting_for_both_the_ssd_and_ram_is_copied_out_once(tmp_path: P
     import collections
 
 
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    store = CacheStore(HotTier(2 * BLOCK_BYTES), ssd, B, warm=HotTier(1 << 30), demote_bound=1 << 20)
+    store = make_tiers(B, 2 * BLOCK_BYTES, ram_bytes=1 << 30, demote_bound=1 << 20, ssd=tmp_path)
+    ssd = store.ssd
     cache = PrefixCache(store, FP, LAYERS, "m")
-    monkeypatch.setattr("omlx.cache.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)
+    monkeypatch.setattr("omlx.cache.saver.write_back.WRITE_BACK_CHUNK", BLOCK_BYTES)
     copies = counted_host_copies(monkeypatch)
     tokens = list(range(10, 10 + 6 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
-    _, n = cache.lookup(tokens)  # takes the let-go blocks back, lets others go again
+    _, n = restore(cache, tokens)  # takes the let-go blocks back, lets others go again
     assert n == 6 * B - 1
 
     def consistent() -> bool:
-        return store.stats()["demoting_bytes"] == sum(b.nbytes for b in store.directory.leaving_blocks())
+        return store.stats()["demoting_bytes"] == sum(b.nbytes for b in store.directory.demoting_blocks())
 
     assert consistent()
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         assert consistent()
     assert store.stats()["demoting_bytes"] == 0 and store.stats()["unwritten_blocks"] == 0
     copied = collections.Counter(key for key, copy in copies if copy)
@@ -1601,12 +1119,12 @@ def test_a_block_waiting_for_both_the_ssd_and_ram_is_copied_out_once(tmp_path: P
 
 def test_no_block_waits_for_ram_when_the_hot_tier_holds_none() -> None:
     # a hot tier of 0 bytes (or smaller than a block) must not become a device cache of its own
-    assert CacheStore(HotTier(0), None, B, warm=HotTier(1 << 30), demote_bound=1 << 20).demote_bound == 0
+    assert make_tiers(B, 0, ram_bytes=1 << 30, demote_bound=1 << 20).demote_bound == 0
     store, (cache,) = demoting(1 << 20)
-    store.hot.set_max_bytes(BLOCK_BYTES // 2)
+    store.device.set_max_bytes(BLOCK_BYTES // 2)
     tokens = list(range(10, 10 + 2 * B))
     cache.store(tokens, kv(len(tokens)), final=True)
-    assert store.stats()["demoting_bytes"] == 0 and store.warm.stats()["blocks"] >= 2
+    assert store.stats()["demoting_bytes"] == 0 and store.ram.stats()["blocks"] >= 2
 
 
 def test_a_reloaded_model_keeps_demoting_while_its_old_engine_closes(monkeypatch) -> None:
@@ -1617,7 +1135,7 @@ def test_a_reloaded_model_keeps_demoting_while_its_old_engine_closes(monkeypatch
     new.store(tokens, kv(len(tokens)), final=True)
     old.close(timeout=1.0)
     assert copies == [] and store.stats()["demoting_bytes"] == 2 * BLOCK_BYTES  # the new engine's to copy
-    while new.write_back(idle=True):
+    while new.write_back.step(idle=True):
         pass
     assert len(copies) == 2 and store.stats()["demoting_bytes"] == 0
 
@@ -1626,7 +1144,7 @@ def test_an_idle_engine_fits_the_prefill_model_before_the_next_decision(tmp_path
     # the fit of the latest prefills is made while idle, not in the next request's restore
     # decision or when its prefill is observed (the model's prediction of it), both of which
     # add to that request's time to first token
-    from omlx.cache import prefill_cost
+    from omlx.cache.plan import prefill_cost
 
     cache = open_cache(tmp_path)
     fits: list[int] = []
@@ -1637,7 +1155,7 @@ def test_an_idle_engine_fits_the_prefill_model_before_the_next_decision(tmp_path
     fits.clear()
     probe_while_idle(cache)
     assert len(fits) == 1
-    assert cache.prefill_seconds(500, 0) is not None  # the next request's decision
+    assert cache.match(list(range(600))).recompute_seconds(500, 0) is not None  # the next request's decision
     cache.observe_prefill(500, 0, 0.25)  # ...and its prefill
     assert len(fits) == 1
     cache.tiers.ssd.close()
@@ -1648,10 +1166,9 @@ def test_a_prompt_longer_than_the_hot_tier_keeps_its_first_blocks_there(tmp_path
     four times what the hot tier does: the hot tier keeps the chain's first blocks (a chain
     without its root serves no lookup) and sends the deepest to the SSD, so the next lookup
     finds the hot run at once and, once the SSD has written the rest, the whole prompt."""
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
     block_bytes = LAYERS * 2 * 2 * B * 8 * 4  # kv(): float32 (1, 2, T, 8) keys and values per layer
-    cache = PrefixCache(CacheStore(HotTier(8 * block_bytes), ssd, B), FP, LAYERS, "m")
+    cache = PrefixCache(make_tiers(B, 8 * block_bytes, ssd=tmp_path), FP, LAYERS, "m")
+    ssd = cache.tiers.ssd
     tokens = list(range(1, 32 * B + 1))
     whole = kv(len(tokens) + 5)
     cache.hold_writes(True)  # as while a prompt prefills alone: the SSD writes wait
@@ -1659,14 +1176,14 @@ def test_a_prompt_longer_than_the_hot_tier_keeps_its_first_blocks_there(tmp_path
     cache.store(tokens, whole, final=False)
     cache.store(tokens + [7] * 5, whole, final=True)
     keys = block_keys(FP, tokens, B)
-    assert [cache.tiers.hot.contains(k) for k in keys] == [True] * 8 + [False] * 24
-    _, n = cache.lookup(tokens + [9])
+    assert [cache.tiers.device.contains(k) for k in keys] == [True] * 8 + [False] * 24
+    _, n = restore(cache, tokens + [9])
     assert n == 8 * B  # the hot run; the rest still waits for the SSD writer
     cache.hold_writes(False)
     assert ssd.flush(10)
-    _, n = cache.lookup(tokens + [9])
+    _, n = restore(cache, tokens + [9])
     assert n == len(tokens)
-    assert all(cache.tiers.hot.contains(k) for k in keys[:8])  # the restore pushed out none of them
+    assert all(cache.tiers.device.contains(k) for k in keys[:8])  # the restore pushed out none of them
     ssd.close()
 
 
@@ -1676,25 +1193,24 @@ def test_past_the_bound_a_block_leaving_device_memory_goes_to_ram_though_the_ssd
     # letting such blocks go uncopied because the SSD held them lost them once the SSD's smaller
     # budget evicted their files: a 120k-token float32 prompt whose KV outgrew the hot tier was
     # then restored to less than half (docs/design/long-context.md)
-    ssd = SSDTier(tmp_path, 1 << 30)
-    assert ssd.wait_ready(10)
-    store = CacheStore(HotTier(2 * BLOCK_BYTES), ssd, B, warm=HotTier(1 << 30), demote_bound=BLOCK_BYTES)
+    store = make_tiers(B, 2 * BLOCK_BYTES, ram_bytes=1 << 30, demote_bound=BLOCK_BYTES, ssd=tmp_path)
+    ssd = store.ssd
     cache = PrefixCache(store, FP, LAYERS, "m")
     earlier = list(range(10, 10 + 2 * B))
     cache.store(earlier, kv(len(earlier)), final=True)
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         pass
     assert ssd.flush(10) and all(ssd.contains(k, FP) for k in block_keys(FP, earlier, B))
     copies = counted_host_copies(monkeypatch)
-    monkeypatch.setattr(store, "_bound", lambda: 0)  # what may wait is taken (by earlier stores)
+    monkeypatch.setattr(store.demotion, "_allowed", lambda: 0)  # what may wait is taken (by earlier stores)
     tokens = list(range(500, 500 + 6 * B))
     cache.store(tokens, kv(len(tokens)), final=True)  # pushes out both earlier blocks and 4 of its own
     copied = {key for key, copy in copies if copy}
     assert set(block_keys(FP, earlier, B)) <= copied  # on the SSD, and copied to RAM all the same
-    assert all(store.warm.contains(k) for k in block_keys(FP, earlier, B))
+    assert all(store.ram.contains(k) for k in block_keys(FP, earlier, B))
     assert store.stats()["demoting_bytes"] == 0
     ssd.clear()  # the SSD's budget lets the files go
-    caches, n = cache.lookup(earlier + [1])  # still served, from RAM
+    caches, n = restore(cache, earlier + [1])  # still served, from RAM
     assert n == 2 * B
     assert mx.array_equal(caches[0].state[0], kv(len(earlier))[0].state[0][..., : 2 * B, :])
     ssd.close()
@@ -1703,45 +1219,43 @@ def test_past_the_bound_a_block_leaving_device_memory_goes_to_ram_though_the_ssd
 def test_a_stateful_ssd_run_is_judged_and_charged_with_one_state(tmp_path: Path, monkeypatch) -> None:
     from mlx_lm.models.cache import ArraysCache
 
-    from omlx.cache.cache_kinds import cache_kinds
+    from omlx.cache.block.kinds import cache_kinds
 
     kinds, _ = cache_kinds([KVCache(), ArraysCache(size=1)])
     fp = "e" * 64
 
     def open_stateful() -> PrefixCache:
-        ssd = SSDTier(tmp_path, 1 << 30)
-        assert ssd.wait_ready(10)
-        return PrefixCache(CacheStore(HotTier(1 << 30), ssd, B), fp, 2, "m", kinds=kinds)
+        return PrefixCache(make_tiers(B, 1 << 30, ssd=tmp_path), fp, 2, "m", kinds=kinds)
 
     tokens = list(range(10, 10 + 8 * B))
     cache = open_stateful()
     arrays = ArraysCache(size=1)
     arrays.cache = [mx.ones((1, 64, 64))]  # 16 kB of state in every block, against 2 kB of KV
     layers = [kv(8 * B)[0], arrays]
-    snap = cache.snapshot(layers)
+    snap = cache.blocks.snapshot(layers)
     cache.store(tokens, layers, final=True, boundary_states={(i + 1) * B: snap for i in range(8)})
-    while cache.write_back(idle=True):
+    while cache.write_back.step(idle=True):
         pass
     cache.tiers.ssd.close()
     kv_bytes, state_bytes = 8 * 2 * (2 * B * 8 * 4), 64 * 64 * 4
     cache = open_stateful()
     cache.costs.learn_size(kv_bytes // 8 + state_bytes, B, state_bytes)
     assert cache.costs.restore_bytes(8 * B) == kv_bytes + state_bytes
-    cache.prefill.observe(8 * B, 0, 1.0)  # recomputing the run: 1 s
-    cache.ssd_rate.observe(65536, 1.0)  # 64 kB/s: KV and one state in 0.5 s; a state per block would take 2.25 s
+    cache.costs.prefill.observe(8 * B, 0, 1.0)  # recomputing the run: 1 s
+    cache.costs.ssd_rate.observe(65536, 1.0)  # 64 kB/s: KV and one state in 0.5 s; a state per block would take 2.25 s
     observed: list[float] = []
-    real = cache.ssd_rate.observe
-    monkeypatch.setattr(cache.ssd_rate, "observe", lambda amount, seconds: observed.append(amount) or real(amount, seconds))
-    caches, n = cache.lookup(tokens + [1])
+    real = cache.costs.ssd_rate.observe
+    monkeypatch.setattr(cache.costs.ssd_rate, "observe", lambda amount, seconds: observed.append(amount) or real(amount, seconds))
+    caches, n = restore(cache, tokens + [1])
     assert n == 8 * B and cache.tiers.counters.skipped_restores == 0
     assert sum(observed) == kv_bytes + state_bytes  # the rate learns what was read: the KV and one state
     assert mx.array_equal(caches[1].cache[0], snap["1.arrays.0"]).item()
     observed.clear()
     keys = block_keys(fp, tokens, B)
-    caches, n = cache.lookup(tokens[: 5 * B] + [1])  # its KV hot (KV-only copies): block 5's state alone is read
-    assert n == 5 * B and observed == [state_bytes] and not cache.tiers.hot.peek(keys[4]).partial
+    caches, n = restore(cache, tokens[: 5 * B] + [1])  # its KV hot (KV-only copies): block 5's state alone is read
+    assert n == 5 * B and observed == [state_bytes] and not cache.tiers.device.peek(keys[4]).partial
     observed.clear()
-    _, n = cache.lookup(tokens[: 5 * B] + [1])  # and then nothing
+    _, n = restore(cache, tokens[: 5 * B] + [1])  # and then nothing
     assert n == 5 * B and observed == []
     cache.tiers.ssd.close()
 
@@ -1753,9 +1267,9 @@ def test_a_tail_search_asks_the_tiers_only_of_keys_they_hold(tmp_path: Path, mon
     tokens = list(range(10, 10 + 3 * B + 5))
     cache.store(tokens, kv(len(tokens)), final=True)
     asked: list[str] = []
-    real_get = PrefixCache._get
-    monkeypatch.setattr(PrefixCache, "_get", lambda self, key, *a, **k: asked.append(key) or real_get(self, key, *a, **k))
-    assert cache.lookup(list(range(500, 500 + 3 * B)))[1] == 0 and asked == []  # a miss asks nothing
-    _, n = cache.lookup(tokens[: 3 * B + 3])  # three blocks and the stored tail's first two tokens
+    real = Tiers.tier_of
+    monkeypatch.setattr(Tiers, "tier_of", lambda self, key, *a, **k: asked.append(key) or real(self, key, *a, **k))
+    assert restore(cache, list(range(500, 500 + 3 * B)))[1] == 0 and asked == []  # a miss asks nothing
+    _, n = restore(cache, tokens[: 3 * B + 3])  # three blocks and the stored tail's first two tokens
     assert n == 3 * B + 2 and len(asked) == 1
     cache.tiers.ssd.close()

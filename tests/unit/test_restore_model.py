@@ -16,16 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from omlx.cache import cost_file, prefill_cost, read_watch, restore_model
-from omlx.cache.cost_file import CostFile
-from omlx.cache.prefill_cost import PrefillCost
-from omlx.cache.read_watch import ReadWatch
-from omlx.cache.restore_model import REPROBE_AFTER, RESTORE_MARGIN, RestoreModel, Throughput
+from omlx.cache.plan import cost_file, decide, prefill_cost, read_watch, restore_model
+from omlx.cache.plan.cost_file import CostFile
+from omlx.cache.plan.decide import REPROBE_AFTER, RESTORE_MARGIN
+from omlx.cache.plan.prefill_cost import PrefillCost
+from omlx.cache.plan.read_watch import ReadWatch
+from omlx.cache.plan.restore_model import RestoreModel, Throughput
+from omlx.cache.plan.restore_plan import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", [restore_model, prefill_cost, cost_file, read_watch])
+@pytest.mark.parametrize("module", [restore_model, prefill_cost, cost_file, read_watch, decide])
 def test_the_model_imports_no_mlx(module) -> None:
     tree = ast.parse(Path(module.__file__).read_text())
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
@@ -34,9 +36,14 @@ def test_the_model_imports_no_mlx(module) -> None:
 
 
 def test_the_model_loads_in_a_process_without_mlx() -> None:
-    code = "import sys, omlx.cache.restore_model, omlx.cache.cost_file; print([m for m in sys.modules if m.startswith('mlx')])"
+    code = "import sys, omlx.cache.plan.restore_model, omlx.cache.plan.cost_file; print([m for m in sys.modules if m.startswith('mlx')])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def judge(model: RestoreModel, tokens: int, depth: int, rate: Throughput) -> Verdict:
+    """The verdict `match` gives a run of `tokens` at `depth` from the tier of `rate`, on `model`'s numbers."""
+    return decide.verdict(tokens, depth, rate.snapshot(), model.costs())
 
 
 def model_of(seconds_per_token: float, bytes_per_token: int = 1000) -> RestoreModel:
@@ -48,19 +55,19 @@ def model_of(seconds_per_token: float, bytes_per_token: int = 1000) -> RestoreMo
 
 def test_without_measurements_restoring_is_how_one_gets_them() -> None:
     model = RestoreModel("m")
-    assert model.judge(1000, 0, model.ssd_rate) == (True, None)  # nothing known
+    assert judge(model, 1000, 0, model.ssd_rate) == Verdict(True, reason="unmeasured")  # nothing known
     model.prefill.observe(1000, 0, 1.0)
-    assert model.judge(1000, 0, model.ssd_rate)[0]  # the tier unmeasured
+    assert judge(model, 1000, 0, model.ssd_rate).restore  # the tier unmeasured
     model.ssd_rate.observe(1e6, 1.0)
-    assert model.judge(1000, 0, model.ssd_rate)[0]  # bytes per token unknown
+    assert judge(model, 1000, 0, model.ssd_rate).restore  # bytes per token unknown
 
 
 def test_a_tier_faster_than_recomputing_by_the_margin_is_restored() -> None:
     model = model_of(1e-3)  # 1,000 tokens: 1 s to recompute, 1 MB to restore
     model.ssd_rate.observe(1e6, 1.0 * RESTORE_MARGIN * 0.9)  # a little inside the margin
-    assert model.pays(1000, 0, model.ssd_rate)
-    model.warm_rate.observe(1e6, 1.0 * RESTORE_MARGIN * 1.1)  # a little outside: a close call
-    assert not model.pays(1000, 0, model.warm_rate)
+    assert judge(model, 1000, 0, model.ssd_rate).restore
+    model.ram_move_rate.observe(1e6, 1.0 * RESTORE_MARGIN * 1.1)  # a little outside: a close call
+    assert not judge(model, 1000, 0, model.ram_move_rate).restore
 
 
 def test_a_run_deep_in_the_context_costs_more_to_recompute() -> None:
@@ -74,27 +81,30 @@ def test_a_run_deep_in_the_context_costs_more_to_recompute() -> None:
     assert deep > root
     restore_s = (root + deep) / 2  # between the two: worth it only deep in
     model.ssd_rate.observe(1000 * 1000, restore_s / RESTORE_MARGIN * 1.01)
-    assert not model.pays(1000, 0, model.ssd_rate)
-    assert model.pays(1000, 20_000, model.ssd_rate)
+    assert not judge(model, 1000, 0, model.ssd_rate).restore
+    assert judge(model, 1000, 20_000, model.ssd_rate).restore
 
 
 def test_a_tier_is_probed_when_never_measured_or_skipped_many_times() -> None:
     model = RestoreModel("m")
-    assert model.ssd_rate.stale and not model.due_probe(model.ssd_rate)  # nothing to weigh against
+    def due() -> bool:
+        return decide.due_probe(model.ssd_rate.snapshot(), model.costs())
+
+    assert model.ssd_rate.stale and not due()  # nothing to weigh against
     model.prefill.observe(1000, 0, 1.0)
-    assert model.due_probe(model.ssd_rate)
+    assert due()
     model.ssd_rate.observe(1e6, 1.0)
-    assert not model.due_probe(model.ssd_rate)
+    assert not due()
     model.ssd_rate.skipped = REPROBE_AFTER
-    assert model.due_probe(model.ssd_rate)
+    assert due()
     model.ssd_rate.observe(1e6, 1.0)  # a new measurement starts the count again
     assert model.ssd_rate.skipped == 0
 
 
 def test_a_probe_may_take_a_share_of_recomputing_the_run() -> None:
     model = model_of(1e-3)
-    assert model.probe_budget(1000, 0) == pytest.approx(restore_model.PROBE_SHARE * 1.0)
-    assert RestoreModel("m").probe_budget(1000, 0) == 0.0
+    assert decide.probe_budget(1000, 0, model.costs()) == pytest.approx(decide.PROBE_SHARE * 1.0)
+    assert decide.probe_budget(1000, 0, RestoreModel("m").costs()) == 0.0
 
 
 def test_a_rate_weighs_each_restore_by_its_size_and_forgets_on_a_probe() -> None:
@@ -115,23 +125,22 @@ def test_the_size_is_learnt_from_the_first_block_only() -> None:
 
 def test_a_stateful_run_reads_one_state_whatever_its_length() -> None:
     model = model_of(1e-3, bytes_per_token=100)
-    model.block_size = 16
+    model.stateful = True
     model.state_bytes = 50_000  # a whole recurrent state, in every block
     assert [model.restore_bytes(16 * n) for n in (1, 10, 125)] == [1_600 + 50_000, 16_000 + 50_000, 200_000 + 50_000]
     model.ssd_rate.observe(100_000, 1.0)  # 100 kB/s
     # one block: 0.52 s to restore against 0.016 s to recompute; ten blocks: 0.66 s against 0.16 s;
     # 125 blocks: 2.5 s against 2 s, all recomputed here; at 1 MB/s the long run restores (0.25 s)
     # where the short one still recomputes (0.05 s), as a state per block (6.45 s for 125 blocks) would not
-    assert not any(model.judge(16 * n, 0, model.ssd_rate)[0] for n in (1, 10, 125))
+    assert not any(judge(model, 16 * n, 0, model.ssd_rate).restore for n in (1, 10, 125))
     model.ssd_rate.forget()
     model.ssd_rate.observe(1_000_000, 1.0)
-    assert model.judge(16 * 125, 0, model.ssd_rate)[0] and not model.judge(16, 0, model.ssd_rate)[0]
+    assert judge(model, 16 * 125, 0, model.ssd_rate).restore and not judge(model, 16, 0, model.ssd_rate).restore
     assert (16 * 125 * 100 + 125 * 50_000) / 1e6 > RESTORE_MARGIN * model.prefill.seconds(16 * 125, 0)
 
 
 def test_the_state_s_size_is_learnt_apart_from_the_kv_s() -> None:
-    model = RestoreModel("m")
-    model.block_size = 16
+    model = RestoreModel("m", stateful=True)
     model.learn_size(16 * 100 + 50_000, 16, state_bytes=50_000)  # a whole block
     assert model.bytes_per_token == 100 and model.state_bytes == 50_000
     assert model.restore_bytes(32) == 3_200 + 50_000
@@ -139,16 +148,18 @@ def test_the_state_s_size_is_learnt_apart_from_the_kv_s() -> None:
 
 def test_the_debug_line_names_the_tier_and_the_verdict(caplog: pytest.LogCaptureFixture) -> None:
     model = model_of(1e-3)
-    model.warm_copy_rate.observe(1e6, 10.0)
+    model.ram_copy_rate.observe(1e6, 10.0)
     with caplog.at_level("DEBUG", logger="omlx.cache"):
-        assert not model.pays(1000, 0, model.warm_copy_rate)
+        verdict = judge(model, 1000, 0, model.ram_copy_rate)
+        model.log_verdict(1000, 0, model.ram_copy_rate, verdict)
+        assert not verdict.restore
     assert "from RAM copies" in caplog.text and ": recompute" in caplog.text
 
 
 def test_measurements_survive_in_their_file(tmp_path: Path) -> None:
     model = model_of(1e-3)
     model.ssd_rate.observe(1e6, 0.5)
-    model.warm_rate.observe(2e6, 0.5)
+    model.ram_move_rate.observe(2e6, 0.5)
     file = CostFile(tmp_path / "costs" / "fp-cpu.json")
     file.save(model, force=True, wait=True)
     again = RestoreModel("m")
@@ -164,7 +175,7 @@ def test_an_older_file_s_ram_restores_count_as_copies(tmp_path: Path) -> None:
     path.write_text(json.dumps({**state, "warm_restores": [1.7e9, 1.0]}))
     model = RestoreModel("m")
     CostFile(path).load(model)
-    assert model.warm_rate.value is None and model.warm_copy_rate.value == 1.7e9
+    assert model.ram_move_rate.value is None and model.ram_copy_rate.value == 1.7e9
 
 
 def test_a_bad_file_only_costs_the_history(tmp_path: Path) -> None:
@@ -209,13 +220,13 @@ def test_a_ram_move_far_larger_than_those_measured_is_restored() -> None:
     # where restoring them takes ~1.2 s
     model = model_of(1e-4, bytes_per_token=131_072)
     for _ in range(10):
-        model.warm_rate.observe(33.5e6, 33.5e6 / 0.97e9)  # one 256-token block at a time
-    assert not model.judge(256, 0, model.warm_rate)[0]  # a block: 0.035 s against 0.026
-    assert model.judge(51_200, 0, model.warm_rate)[0]  # 200 blocks: measured by restoring them
-    model.warm_rate.observe(6.7e9, 1.2)
-    assert not model.warm_rate.extrapolates(6.7e9) and model.warm_rate.value > 4e9
+        model.ram_move_rate.observe(33.5e6, 33.5e6 / 0.97e9)  # one 256-token block at a time
+    assert not judge(model, 256, 0, model.ram_move_rate).restore  # a block: 0.035 s against 0.026
+    assert judge(model, 51_200, 0, model.ram_move_rate).restore  # 200 blocks: measured by restoring them
+    model.ram_move_rate.observe(6.7e9, 1.2)
+    assert not model.ram_move_rate.extrapolates(6.7e9) and model.ram_move_rate.value > 4e9
     model.ssd_rate.observe(33.5e6, 33.5e6 / 0.97e9)  # the SSD's rate does not grow so: judged
-    assert not model.ssd_rate.extrapolates(6.7e9) and not model.judge(51_200, 0, model.ssd_rate)[0]
+    assert not model.ssd_rate.extrapolates(6.7e9) and not judge(model, 51_200, 0, model.ssd_rate).restore
 
 
 def test_a_rate_saved_without_its_count_loads_as_one_restore() -> None:
@@ -244,7 +255,7 @@ def test_a_large_restore_far_slower_than_the_estimate_replaces_the_history() -> 
 def finished(nbytes: int) -> Future:
     from types import SimpleNamespace
 
-    from omlx.cache.ssd_reads import TimedRead
+    from omlx.cache.tiers.ssd.reads import TimedRead
 
     future: Future = Future()
     future.set_result(TimedRead(SimpleNamespace(nbytes=nbytes), 0.0, 0.0))

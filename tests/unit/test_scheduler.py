@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from omlx.cache.loader.loading import Loading
+from omlx.cache.plan.restore_plan import RestorePlan
 from omlx.engine import request_state
 from omlx.engine.kv_budget import RESERVE_MARGIN_TOKENS, KvBudget
 from omlx.engine.output import Output
@@ -127,13 +129,27 @@ def test_a_read_ahead_takes_a_place_and_comes_back_first_in_line() -> None:
         sched.submit(s)
     chosen = sched.admissions()
     assert next(chosen) is a
-    sched.admitted(a, Admitted(Admission.RESTORE, prefetched="p"))
+    loading = Loading(RestorePlan(10, 16))
+    sched.admitted(a, Admitted(Admission.RESTORE, loading))
     assert next(chosen) is b
     start(sched, b)
     assert list(chosen) == []  # a restoring and b running fill both places
-    assert a.status is Status.RESTORING and sched.restoring == {a: "p"}
-    sched.restored([(a, "p")])
-    assert list(sched.waiting) == [a, c] and a.prefetched == "p" and a.status is Status.WAITING
+    assert a.status is Status.RESTORING and sched.restoring == {a: loading}
+    sched.restored([(a, loading)])
+    assert list(sched.waiting) == [a, c] and a.loading is loading and a.status is Status.WAITING
+
+
+def test_the_scheduler_holds_each_restoring_request_s_plan_and_names_the_one_that_moves() -> None:
+    sched, _ = make(max_concurrent=3)
+    reads, moves = Loading(RestorePlan(10, 16)), Loading(RestorePlan(40, 16), to_move=["k"])
+    for s, loading in ((state("a"), reads), (state("b"), moves)):
+        sched.submit(s)
+        assert next(sched.admissions()) is s
+        sched.admitted(s, Admitted(Admission.RESTORE, loading))
+    assert [lo.plan.prompt_tokens for lo in sched.restoring.values()] == [10, 40]
+    assert sched.moving_from_ram() and sched.mover() is moves  # only a RAM run's moves need the engine thread
+    moves.to_move.clear()
+    assert not sched.moving_from_ram() and sched.mover() is None
 
 
 def test_requests_with_nothing_to_generate_or_failing_admission_are_answered_at_once() -> None:
@@ -268,7 +284,7 @@ def test_a_request_cancelled_in_line_leaves_it(status: str) -> None:
         chosen = sched.admissions()
         assert next(chosen) is s
         if status == "restoring":
-            sched.admitted(s, Admitted(Admission.RESTORE, prefetched="p"))
+            sched.admitted(s, Admitted(Admission.RESTORE, Loading(RestorePlan(10, 16))))
         else:
             start(sched, s)
             decode(sched, s)
@@ -475,7 +491,7 @@ def test_failing_everything_not_finished_answers_each_once() -> None:
         sched.submit(s)
     chosen = sched.admissions()
     start(sched, next(chosen), Admission.SOLO)
-    sched.admitted(next(chosen), Admitted(Admission.RESTORE, prefetched="p"))
+    sched.admitted(next(chosen), Admitted(Admission.RESTORE, Loading(RestorePlan(10, 16))))
     chosen.close()
     assert sched.unfinished() == [a, c, d, b]
     for s in list(sched.running.values()):

@@ -21,6 +21,7 @@ import pytest
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest, SamplingParams
 from omlx.engine.solo import SoloSequence
+from tests.support.cache_parts import make_tiers
 
 
 def make_engine(
@@ -742,15 +743,13 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
     # end on multiples of 64 here; a prefix restored to 80 tokens would start with 48 queries
     # over 128 keys, a shape no prefill from the start has. Cut back to 64 while that shape
     # has not been built, the one from 64 has, and recomputing 16 tokens costs less than a build.
-    from omlx.cache.hot_tier import HotTier
-    from omlx.cache.prefill_cost import PrefillCost
+    from omlx.cache.plan.prefill_cost import PrefillCost
     from omlx.cache.prefix_cache import PrefixCache
-    from omlx.cache.store import CacheStore
 
     made: list[PrefixCache] = []
 
     def factory(loaded: SimpleNamespace) -> PrefixCache:
-        made.append(PrefixCache(CacheStore(HotTier(1 << 30), None, 16), "f" * 64, len(loaded.model.layers), "m"))
+        made.append(PrefixCache(make_tiers(16, 1 << 30), "f" * 64, len(loaded.model.layers), "m"))
         return made[-1]
 
     def loader() -> SimpleNamespace:
@@ -768,8 +767,8 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
     turns.append(stored[:80] + [7 + (i * 19) % 390 for i in range(20)])  # ends before 128
 
     def prefill_costs(seconds_per_token: float) -> None:
-        made[-1].prefill = PrefillCost()
-        made[-1].prefill.observe(1000, 0, 1000 * seconds_per_token)
+        made[-1].costs.prefill = PrefillCost()
+        made[-1].costs.prefill.observe(1000, 0, 1000 * seconds_per_token)
 
     async def run(rid: str, prompt: list[int]) -> dict:
         return await run_one(engine, request(rid, prompt, 6))

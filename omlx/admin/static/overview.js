@@ -1,4 +1,5 @@
-/* Overview: server status, device and memory, loaded models, counters, prefix cache. */
+/* Overview: server status, device and memory, loaded models, counters, prefix cache, and
+   charts over time (charts.js). */
 "use strict";
 
 App.page("overview", {
@@ -7,7 +8,11 @@ App.page("overview", {
     const live = h("span.badge.ok", "live");
     append(actions, [live]);
     const body = h("div.stack");
-    append(view, [body]);
+    const chartGrid = h("div.chart-grid");
+    append(view, [h("div.stack", body, panel("Over time (24 h, kept across restarts)", h("div.panel-body", chartGrid)))]);
+    const charts = HistoryCharts.create(chartGrid);
+    ctx.onLeave(charts.destroy);
+    ctx.every(10000, charts.refresh);
 
     ctx.every(3000, async () => {
       const [sys, status, models, cache] = await Promise.all([

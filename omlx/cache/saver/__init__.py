@@ -1,0 +1,1 @@
+"""Storing blocks: made from a finished prefill or sequence, put into device memory, written back to the SSD."""
