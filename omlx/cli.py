@@ -1,4 +1,4 @@
-"""The `omlx` command line: serve, diagnose, models list / import-gguf.
+"""The `omlx` command line: serve, diagnose, models list / import-gguf, launch.
 
 `serve`'s options are generated from `omlx.settings.SETTINGS`, so every setting
 has exactly one flag, one env var and one help text. User errors print one line
@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,64 @@ def models_import_gguf(
     except GGUFImportError as exc:
         fail(str(exc))
     print(f"imported {path.name} as {out.name} into {out}")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch(
+    ctx: typer.Context,
+    agent: str = typer.Argument(..., help="claude, codex or opencode."),
+    model: str | None = typer.Option(None, "--model", help="Model id (default: the server's first chat model)."),
+    url: str | None = typer.Option(None, "--url", help="Server URL (default: http://HOST:PORT of the settings)."),
+    print_config: bool = typer.Option(False, "--print-config", help="Print what would be set, then exit."),
+) -> None:
+    """Run a coding agent against oMLX (started if none answers); arguments after -- go to the agent."""
+    import shutil
+    import subprocess
+
+    from omlx.launch import server as srv
+    from omlx.launch.agents import AGENTS, INSTALL, ServerInfo, plan_for
+
+    if agent not in AGENTS:
+        fail(f"Unknown agent '{agent}'; choose one of {', '.join(AGENTS)}.")
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        fail(str(exc))
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::", "") else settings.host
+    base = (url or f"http://{host}:{settings.port}").rstrip("/")
+    started = None
+    try:
+        if not srv.answers(base):
+            if url is not None:
+                fail(f"No oMLX server answers at {base}.")
+            if print_config:
+                info = ServerInfo(base, model or "<the server's first chat model>", 32768, settings.api_key)
+                print(plan_for(agent, info, list(ctx.args), settings.home).describe())
+                print(f"note: no server answers at {base}; `omlx launch` would start `omlx serve` there.")
+                return
+            log_path = settings.home / "logs" / "launch-serve.log"
+            console.print(f"starting omlx serve at {base} (log: {log_path}) …", highlight=False)
+            started = srv.start(base, settings.host, settings.port, log_path, model)
+        info = srv.server_info(base, model, settings.api_key)
+        plan = plan_for(agent, info, list(ctx.args), settings.home)
+        if print_config:
+            print(plan.describe())
+            return
+        if shutil.which(plan.command[0]) is None:
+            fail(f"'{plan.command[0]}' is not on PATH. Install it: {INSTALL[agent]}")
+        for path, text in plan.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        console.print(f"{agent} → oMLX at {base}, model {info.model} (`omlx launch {agent} --print-config` "
+                      "shows every setting)", highlight=False)  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in plan.unset} | plan.env | {"PWD": os.getcwd()}
+        code = subprocess.run(plan.command, env=env).returncode
+    except ConfigError as exc:
+        fail(str(exc))
+    finally:
+        if started is not None:
+            srv.stop(started)
+    raise SystemExit(code)
 
 
 # ----- omlx service ----------------------------------------------------------------------

@@ -34,6 +34,19 @@ if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
     || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1)) \
     || echo "note: could not install OpenBLAS; CPU inference will be slower (see omlx diagnose)" >&2
 fi
+# The agent CLIs the tests run (Claude Code, Codex, OpenCode) and an MCP server, pinned in
+# tests/agents/package.json, from npm (Debian's nodejs/npm when npm is missing and we can).
+if [ "$extra" = test ]; then
+  if ! command -v npm >/dev/null && [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get install -y -qq nodejs npm >/dev/null 2>&1 \
+      || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq nodejs npm >/dev/null 2>&1)) \
+      || echo "note: could not install npm; the agent CLI tests will be skipped" >&2
+  fi
+  if command -v npm >/dev/null; then
+    (cd tests/agents && npm ci --no-audit --no-fund --loglevel=error >/dev/null) \
+      || echo "note: npm ci in tests/agents failed; the agent CLI tests will install them or fail" >&2
+  fi
+fi
 # The dashboard's browser tests drive Debian's Chromium through Playwright (never a downloaded
 # browser); without it they are skipped.
 if [ "$extra" = test ] && [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
+from omlx.api.media import MediaPolicy
 from omlx.api.tool_specs import checked_choice, function_spec, tool_list, tool_name, unique
 from omlx.api.wire import Lenient, StopList, Temperature, TopK, TopP
 from omlx.errors import InvalidRequestError
@@ -49,15 +50,14 @@ class CountTokensRequest(Lenient):
     thinking: dict[str, Any] | None = None
 
 
-MEDIA_KINDS = ("image", "document")
 # Blocks of Anthropic's own server tools (web search, MCP connector, code execution …) carry
 # nothing a local model can use: accepted and left out, as are `search_result` blocks.
 SKIPPED_KINDS = ("server_tool_use", "mcp_tool_use", "search_result", "container_upload")
-BLOCK_KINDS = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result", *MEDIA_KINDS, *SKIPPED_KINDS)
+TURN_KINDS = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result")
 
 
-def _known_kind(kind: Any) -> bool:
-    return kind in BLOCK_KINDS or (isinstance(kind, str) and kind.endswith("_tool_result") and kind != "tool_result")
+def _skipped(kind: str) -> bool:
+    return kind in SKIPPED_KINDS or (kind.endswith("_tool_result") and kind != "tool_result")
 
 
 def _refuse(message: str, param: str) -> InvalidRequestError:
@@ -72,32 +72,56 @@ def _block_text(block: dict[str, Any], param: str, key: str = "text") -> str:
 
 
 def _blocks(value: Any, param: str) -> list[dict[str, Any]]:
-    """Content blocks: each an object with a known `type`."""
+    """Content blocks: each an object with a string `type` (any type: unknown ones are dropped)."""
     if not isinstance(value, list):
         raise _refuse(f"must be a string or a list of content blocks, got {type(value).__name__}.", param)
     for j, block in enumerate(value):
         if not isinstance(block, dict):
             raise _refuse(f"each content block must be an object, got {type(block).__name__}.", f"{param}.{j}")
-        kind = block.get("type")
-        if not _known_kind(kind):
-            raise _refuse(f"unknown content block type {json.dumps(kind)[:40]}.", f"{param}.{j}.type")
-        if kind in MEDIA_KINDS:
-            raise _refuse(f"'{kind}' blocks are not supported by this text model.", f"{param}.{j}")
+        if not isinstance(block.get("type"), str):
+            raise _refuse("each content block needs a 'type' string.", f"{param}.{j}.type")
     return value
 
 
-def _text_of(blocks: Any, where: str) -> str:
-    """The text of a string or of text blocks (system prompts, tool results)."""
+def _document_text(block: dict[str, Any]) -> str | None:
+    """A document's text when it carries text (a plain-text or content source), else None."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        return source["data"]
+    if source.get("type") == "content" and isinstance(source.get("content"), (str, list)):
+        content = source["content"]
+        if isinstance(content, str):
+            return content
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
+    return None
+
+
+def _text_of(blocks: Any, where: str, media: MediaPolicy, in_tool_result: bool = False) -> str:
+    """The text of a string or of content blocks (system prompts, tool results): media inside a
+    tool result becomes a placeholder, at the top level a 400 (`MediaPolicy`)."""
     if blocks is None:
         return ""
     if isinstance(blocks, str):
         return blocks
     out = []
     for j, b in enumerate(_blocks(blocks, where)):
-        if b["type"] == "text":
-            out.append(_block_text(b, f"{where}.{j}"))
-        elif b["type"] in ("thinking", "redacted_thinking", "tool_use", "tool_result"):
-            raise _refuse(f"'{b['type']}' blocks cannot appear here; use text blocks.", f"{where}.{j}")
+        kind, param = b["type"], f"{where}.{j}"
+        if kind == "text":
+            out.append(_block_text(b, param))
+        elif kind in ("image", "document"):
+            text = _document_text(b) if kind == "document" else None
+            if text is not None:
+                out.append(text)
+            elif in_tool_result:
+                out.append(media.placeholder(kind, param))
+            else:
+                raise media.refuse(kind, param)
+        elif kind in TURN_KINDS:
+            raise _refuse(f"'{kind}' blocks cannot appear here; use text blocks.", param)
+        elif not _skipped(kind):
+            media.drop(kind, param)
     return "\n".join(out) if len(out) > 1 and where.startswith("system") else "".join(out)
 
 
@@ -109,16 +133,17 @@ def _tool_use(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"id": block.get("id"), "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
-    """Anthropic system + messages → HF chat-template messages."""
+def to_chat_messages(req: MessagesRequest | CountTokensRequest, media: MediaPolicy | None = None) -> list[dict[str, Any]]:
+    """Anthropic system + messages → HF chat-template messages (`media` collects the warnings)."""
+    media = media or MediaPolicy(req.model)
     out: list[dict[str, Any]] = []
-    system = _text_of(req.system, "system")
+    system = _text_of(req.system, "system", media)
     if system:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}"
         if m.role == "system":  # seen mid-conversation from real clients
-            out.append({"role": "system", "content": _text_of(m.content, f"{where}.content")})
+            out.append({"role": "system", "content": _text_of(m.content, f"{where}.content", media)})
             continue
         if m.role not in ("user", "assistant"):
             raise _refuse(f"role must be 'user' or 'assistant', got {m.role[:40]!r}.", f"{where}.role")
@@ -140,10 +165,17 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str
                 if text:  # keep the order: text said before the result
                     out.append({"role": m.role, "content": "".join(text)})
                     text = []
-                result = _text_of(block.get("content"), f"{param}.content")
+                result = _text_of(block.get("content"), f"{param}.content", media, in_tool_result=True)
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
+            elif kind in ("image", "document"):
+                document = _document_text(block) if kind == "document" else None
+                if document is None:
+                    raise media.refuse(kind, param)
+                text.append(document)
+            elif not _skipped(kind):
+                media.drop(kind, param)
         if text or calls or thinking or not m.content:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(text)}
             if calls:
@@ -197,10 +229,3 @@ def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
         raise _refuse(f"must be a non-negative integer, got {json.dumps(budget)[:40]}.", "thinking.budget_tokens")
     return budget
 
-
-def tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except json.JSONDecodeError:
-        return {"_raw": arguments}
-    return value if isinstance(value, dict) else {"value": value}

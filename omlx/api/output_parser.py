@@ -29,11 +29,19 @@ Rules:
   of a chunk, an answer starting with ``{``/``[`` until that JSON value closes, a JSON-ish
   fence until it closes). Whitespace right before a call is dropped, as is whitespace at the
   start of the answer after reasoning or after a call, and around the reasoning text.
-* ``arguments`` is always the text of a JSON object: ``"{}"`` when a call has none, arguments
-  given as a JSON string are decoded and re-serialized, and anything that is not a JSON object
-  (unparseable text, a list, a number) is kept as ``{"_raw": "<the text>"}``.
-* Markup that cannot be parsed (e.g. generation cut off inside a call) is given back as text,
-  verbatim, once it is known to be unparseable.
+* ``arguments`` is the text of a JSON object: ``"{}"`` when a call has none, arguments given
+  as a JSON string are decoded and re-serialized. Arguments that are not a JSON object
+  (invalid JSON, a list, a number) are kept as generated, with ``ToolCall.problem`` saying so:
+  the call is still a call, and the client's validation reports the problem to the model.
+* A call never vanishes silently. Markup no parser reads but whose pieces name offered tools is
+  salvaged into calls (arguments as generated); an envelope still open when the output ends is
+  closed and parsed; what cannot be read either way is given back as text, verbatim, and
+  :attr:`OutputParser.warnings` names the problem (``tool_call_unclosed``,
+  ``tool_call_unparsed``, ``tool_arguments_invalid``); a call-shaped JSON answer naming a tool
+  that was not offered stays text, with ``tool_call_unknown_tool``.
+* A start marker quoted in prose or code is text: one right after a backtick or inside a
+  plain code block, or one whose next characters cannot begin a call of its family
+  (``Markup.plausible``).
 * Inside reasoning, tool-call markup is not interpreted.
 * Every call gets a fresh id ``call_<24 hex>``; an id the model printed itself (Kimi's
   ``functions.f:0``, Mistral's 9-character ids) is kept in ``ToolCall.model_id``.
@@ -57,6 +65,7 @@ Typical use, with an mlx-lm ``TokenizerWrapper`` ``tok``::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -67,16 +76,18 @@ from omlx.api.tool_call_formats import (
     canonical_family,
     markups_for,
     pythonic_calls,
+    salvage_calls,
 )
 from omlx.api.tool_calls import (
     Delta,
+    OutputWarning,
     ReasoningDelta,
     TextDelta,
     ToolCall,
+    call_arguments,
     calls_from_json,
     json_values,
     new_call_id,
-    normalize_arguments,
     normalize_tools,
 )
 
@@ -132,6 +143,8 @@ _FENCE_LANGS = {
 }
 _TEXT, _REASONING, _TOOL, _JSON, _FENCED = "text", "reasoning", "tool", "json", "fence"
 _TAIL = 64  # longer than any end marker
+_CALL_NAME = re.compile(r"^[\w.:\-]{1,128}$")
+_FINISHED = ("}", "]", ")", ">", "｜>")  # how a call's text ends once it is complete
 _HEAD = 256  # a call candidate must show itself within this many characters
 
 
@@ -200,6 +213,9 @@ class OutputParser:
         self._fence_body = -1
         self._fence_lang = ""
         self._tool_calls: list[ToolCall] = []
+        self._warnings: list[OutputWarning] = []
+        self._region_plausible: bool | None = None
+        self._last_char = ""  # the last character read as text (a backtick quotes a marker)
         self._finished = False
 
     # ---------------------------------------------------------------- public
@@ -207,6 +223,11 @@ class OutputParser:
     @property
     def tool_calls(self) -> list[ToolCall]:
         return list(self._tool_calls)
+
+    @property
+    def warnings(self) -> list[OutputWarning]:
+        """What could not be read as the model meant it (see the module notes)."""
+        return list(self._warnings)
 
     def feed(self, text: str) -> list[Delta]:
         if self._finished:
@@ -224,8 +245,10 @@ class OutputParser:
             if self._mode == _TOOL:
                 self._close_region(self._acc_text(), closed=False)
             elif self._mode == _JSON:
+                self._warn_if_call(self._acc_text(), "a JSON tool call")
                 self._release_candidate()
             elif self._mode == _FENCED:
+                self._warn_if_call(self._acc_text(), "a fenced tool call")
                 self._emit_text_verbatim(self._held_ws + self._acc_text())
                 self._held_ws = ""
                 self._acc_reset()
@@ -272,6 +295,29 @@ class OutputParser:
 
     def _emit_text_verbatim(self, text: str) -> None:
         self._text.emit(text)
+        if text:
+            self._last_char = text[-1]
+
+    def _warn(self, code: str, message: str) -> None:
+        self._warnings.append(OutputWarning(code, message))
+
+    def _warn_if_call(self, text: str, what: str) -> None:
+        """An unfinished candidate that names an offered tool was a call cut off."""
+        if salvage_calls(text.lstrip("`").removeprefix("json").removeprefix("tool_call"), self._names):
+            self._warn("tool_call_unclosed", f"The output ended inside {what}; it is returned as text.")
+
+    def _warn_if_unknown_tool(self, text: str) -> None:
+        """A call-shaped JSON answer (name and arguments) naming a tool that was not offered."""
+        try:
+            values = json_values(text)
+        except ValueError:
+            return
+        items = [v for value in values for v in (value if isinstance(value, list) else [value])]
+        names = [v.get("name") for v in items if isinstance(v, dict) and ("arguments" in v or "parameters" in v)]
+        unknown = [n for n in names if isinstance(n, str) and n not in self._names]
+        if names and len(names) == len(items) and unknown:
+            self._warn("tool_call_unknown_tool", f"The answer reads as a call of '{unknown[0][:64]}', which is not "
+                       "among the offered tools; it is returned as text.")  # fmt: skip
 
     def _make_calls(self, parsed: Any, known: set[str] | None = None) -> list[ToolCall] | None:
         if parsed is None:
@@ -281,15 +327,24 @@ class OutputParser:
             if not isinstance(call, dict):
                 return None
             name, args = call.get("name"), call.get("arguments")
-            if not isinstance(name, str) or not name.strip():
-                return None
+            if not isinstance(name, str) or not _CALL_NAME.match(name.strip()):
+                return None  # a parser read something else as the name
             if name == "unknown" and isinstance(args, dict) and set(args) == {"raw"}:
                 return None  # mlx-lm's glm47 parser gave up
             if known is not None and name.strip() not in known:
                 return None
             model_id = call.get("id") if isinstance(call.get("id"), str) else None
-            calls.append(ToolCall(new_call_id(), name.strip(), normalize_arguments(args), model_id))
+            text, problem = call_arguments(args)
+            calls.append(ToolCall(new_call_id(), name.strip(), text, model_id, problem))
         return calls or None
+
+    def _salvaged(self, text: str) -> list[ToolCall] | None:
+        """Calls no parser could read, with their arguments as generated (see the module notes)."""
+        calls = self._make_calls(salvage_calls(text, self._names), known=self._names)
+        for call in calls or []:
+            if call.problem:
+                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+        return calls
 
     # ---------------------------------------------------------------- text
 
@@ -338,11 +393,17 @@ class OutputParser:
         at, trig = self._find_trigger(buf)
         if trig is None:
             keep = 0 if final else _partial_suffix(buf, self._trigger_markers)
-            self._text.emit(buf[: len(buf) - keep])
+            self._emit_text_verbatim(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
             return False
         marker, kind, markup = trig
         self._text.emit(buf[:at])
+        if at:
+            self._last_char = buf[at - 1]
+        if kind == "markup" and (self._in_code_fence or self._last_char == "`"):
+            self._emit_text_verbatim(marker)  # quoted in code: text
+            self._buf = buf[at + len(marker) :]
+            return True
         self._buf = buf[at + len(marker) :]
         if kind == "think_start":
             self._text.take_ws()
@@ -354,10 +415,11 @@ class OutputParser:
         elif kind == "markup":
             self._held_ws = self._text.take_ws()
             self._mode, self._markup = _TOOL, markup
+            self._region_plausible = None
             self._acc_reset()
         elif kind == "fence":
             if self._in_code_fence:  # closes a plain code block
-                self._text.emit(marker)
+                self._emit_text_verbatim(marker)
                 self._in_code_fence = False
             else:
                 self._held_ws = self._text.take_ws()
@@ -451,6 +513,15 @@ class OutputParser:
         if not new:
             return False
         before, tail = self._acc_add(new)
+        if self._region_plausible is None and markup.plausible is not None:
+            head = self._acc_text()[:_HEAD]
+            verdict = markup.plausible(head)
+            if verdict is False:
+                self._release_marker()
+                return True
+            if verdict is None and len(head) >= _HEAD:
+                verdict = True
+            self._region_plausible = verdict
         if not markup.end:
             return False
         at = self._acc_find_new(markup.end, before, tail, new)
@@ -461,6 +532,16 @@ class OutputParser:
         self._buf = region[at + len(markup.end) :] + self._buf
         return True
 
+    def _release_marker(self) -> None:
+        """A start marker quoted in prose: the marker is text, and so is what follows it."""
+        markup = self._markup
+        assert markup is not None
+        self._emit_text_verbatim(self._held_ws + markup.start)
+        self._held_ws = ""
+        self._buf = self._acc_text() + self._buf
+        self._acc_reset()
+        self._mode, self._markup = _TEXT, None
+
     def _close_region(self, inner: str, closed: bool) -> None:
         markup = self._markup
         assert markup is not None
@@ -468,15 +549,28 @@ class OutputParser:
             calls = self._make_calls(markup.parse(inner, self._tools))
         except Exception:  # mlx-lm parsers raise assorted errors on malformed text
             calls = None
+        for call in calls or []:
+            if call.problem:
+                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+        complete = closed or not markup.end  # end-less markup runs to the end of the output
+        if calls and not complete and not inner.rstrip().endswith(_FINISHED):
+            calls = None  # cut inside a value: what the lenient parsers read of it is not the call
+        if not calls and complete:
+            calls = self._salvaged(inner)
         self._mode, self._markup = _TEXT, None
         self._acc_reset()
         if calls:
             self._emit_calls(calls)
+            return
+        if self._region_plausible is False or not (inner.strip() or closed):
+            pass  # a bare marker at the very end: nothing was meant
+        elif complete:
+            self._warn("tool_call_unparsed", f"A {markup.start} tool call could not be read; it is returned as text.")
         else:
-            self._emit_text_verbatim(
-                self._held_ws + markup.start + inner + (markup.end if closed else "")
-            )
-            self._held_ws = ""
+            self._warn("tool_call_unclosed", f"The output ended inside a {markup.start} tool call "
+                       f"(no {markup.end}) that does not parse; it is returned as text.")  # fmt: skip
+        self._emit_text_verbatim(self._held_ws + markup.start + inner + (markup.end if closed else ""))
+        self._held_ws = ""
 
     # ---------------------------------------------------------------- bare JSON at the start of the answer
 
@@ -534,7 +628,9 @@ class OutputParser:
             try:
                 calls = self._make_calls(self._json_calls(text), known=self._names)
             except ValueError:
-                calls = None
+                calls = self._salvaged(text)
+            if not calls:
+                self._warn_if_unknown_tool(text)
         if calls:
             self._mode = _TEXT
             self._acc_reset()
@@ -620,9 +716,12 @@ class OutputParser:
                 parsed = pythonic_calls(stripped, self._tools)
             else:
                 parsed = self._json_calls(stripped)
-            return self._make_calls(parsed, known=self._names)
+            calls = self._make_calls(parsed, known=self._names)
         except Exception:  # mlx-lm's pythonic parser raises assorted errors
-            return None
+            calls = self._salvaged(stripped) if stripped[:1] == "{" else None
+        if not calls and stripped[:1] in ("{", "["):
+            self._warn_if_unknown_tool(stripped)
+        return calls
 
     def _fence_as_text(self, upto: int, in_block: bool) -> bool:
         """A fence that is not a call candidate: pass its opening through as text."""
@@ -644,6 +743,7 @@ class ParsedOutput:
     text: str
     reasoning: str
     tool_calls: list[ToolCall]
+    warnings: list[OutputWarning]
 
 
 def parse_output(text: str, **kwargs: Any) -> ParsedOutput:
@@ -654,4 +754,5 @@ def parse_output(text: str, **kwargs: Any) -> ParsedOutput:
         text="".join(d.text for d in deltas if isinstance(d, TextDelta)),
         reasoning="".join(d.text for d in deltas if isinstance(d, ReasoningDelta)),
         tool_calls=parser.tool_calls,
+        warnings=parser.warnings,
     )

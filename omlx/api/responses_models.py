@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import Field
 
 from omlx.api.chat_template import content_text
+from omlx.api.media import MediaPolicy
 from omlx.api.tool_specs import checked_choice, function_spec, tool_list, tool_name, unique
 from omlx.api.wire import Lenient, Temperature, TopP
 from omlx.errors import InvalidRequestError
@@ -32,6 +33,8 @@ class ResponsesRequest(Lenient):
     stream: bool = False
     store: bool = True
     reasoning: dict[str, Any] | None = None
+    # reasoning tokens before the model's end-of-thinking marker is forced (oMLX's own field)
+    thinking_budget: int | None = Field(default=None, ge=0)
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
@@ -56,9 +59,24 @@ def _call_arguments(value: Any, param: str) -> dict[str, Any]:
         return {"_raw": value}
 
 
-def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses input/output items → HF chat messages (calls attach to the assistant turn)."""
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its `reasoning_text` content (what this server returns), else its
+    summary; encrypted content is opaque and left out."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
+
+
+def items_to_messages(items: list[dict[str, Any]], media: MediaPolicy) -> list[dict[str, Any]]:
+    """Responses input/output items → HF chat messages: calls attach to their assistant turn, and
+    a `reasoning` item is the `reasoning_content` of the turn it opens (so templates that keep
+    reasoning render the turn as it was generated)."""
     out: list[dict[str, Any]] = []
+    reasoning: list[str] = []  # of the assistant turn the next assistant item opens
     for i, item in enumerate(items):
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message":
@@ -66,21 +84,26 @@ def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = "system" if role == "developer" else role
             if role not in ("system", "user", "assistant"):
                 raise InvalidRequestError(f"input.{i}.role {json.dumps(role)[:40]} is not supported.", param=f"input.{i}.role")
-            out.append({"role": role, "content": content_text(item.get("content"), f"input.{i}.content")})
+            msg: dict[str, Any] = {"role": role, "content": content_text(item.get("content"), f"input.{i}.content", media)}
+            if role == "assistant" and reasoning:
+                msg["reasoning_content"], reasoning = "".join(reasoning), []
+            out.append(msg)
         elif kind == "function_call":
             args = _call_arguments(item.get("arguments"), f"input.{i}.arguments")
             name = tool_name(item.get("name"), f"input.{i}.name")
             call = {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and not reasoning:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if reasoning:
+                    out[-1]["reasoning_content"], reasoning = "".join(reasoning), []
         elif kind == "function_call_output":
             output = item.get("output")
-            text = output if isinstance(output, str) else content_text(output, f"input.{i}.output")
+            text = output if isinstance(output, str) else content_text(output, f"input.{i}.output", media, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind == "reasoning":
-            continue  # earlier reasoning is not replayed
+            reasoning.append(_reasoning_text(item))
         else:
             log.info("ignoring Responses input item of type %r", kind)
     return out

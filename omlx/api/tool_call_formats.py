@@ -47,7 +47,10 @@ from typing import Any
 
 from omlx.api.tool_calls import calls_from_json, json_values
 
-__all__ = ["FAMILIES", "Markup", "canonical_family", "detect_family", "markups_for", "prompt_opens_reasoning"]
+__all__ = [
+    "FAMILIES", "Markup", "canonical_family", "detect_family", "markups_for", "prompt_opens_reasoning",
+    "salvage_calls",
+]  # fmt: skip
 
 
 # --------------------------------------------------------------------------- per-family parsers
@@ -260,27 +263,151 @@ def _parse_dsml(inner: str, tools: list | None) -> list[dict]:
 # --------------------------------------------------------------------------- families
 
 
+# --------------------------------------------------------------------------- broken calls
+#
+# A call whose arguments are not valid JSON is still a call: the name and the arguments as
+# generated go to the client, whose own validation tells the model what to fix.
+
+_CALL_BEGINS = ("<tool_call>", "<｜tool▁call▁begin｜>", "<|tool_call_begin|>", "[TOOL_CALLS]")
+_CALL_ENDS = (
+    "</tool_call>", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>", "<|tool_call_end|>",
+    "<|tool_calls_section_end|>", "<tool_call|>", "<end_function_call>",
+)  # fmt: skip
+_JSON_NAME = re.compile(r'^\s*\{\s*["\']name["\']\s*:\s*["\']([^"\'\\]{1,128})["\']\s*,\s*'
+                        r'["\'](?:arguments|parameters)["\']\s*:\s*(.*)$', re.DOTALL)
+_NAME_FIRST = re.compile(
+    r"^\s*(?:function\s*<｜tool▁sep｜>\s*)?(?:call:|functions\.)?([\w.\-]{1,128}?)(?::\d+)?\s*"
+    r"(?:\[CALL_ID\]\s*[\w-]+\s*)?(?:\[ARGS\]|<｜tool▁sep｜>|<\|tool_call_argument_begin\|>)?\s*"
+    r"(?:```\w*\s*)?([{\[].*)$",
+    re.DOTALL,
+)
+
+
+def _salvage_one(piece: str, names: set[str]) -> dict | None:
+    for end in _CALL_ENDS:
+        piece = piece.replace(end, "")
+    piece = piece.strip()
+    match = _JSON_NAME.match(piece)
+    if match:
+        name, args = match.group(1), match.group(2).rstrip()
+        if args.endswith("}"):  # the envelope's own closing brace
+            args = args[:-1].rstrip().rstrip(",").rstrip()
+    else:
+        match = _NAME_FIRST.match(piece)
+        if not match:
+            return None
+        name, args = match.group(1), match.group(2).strip().removesuffix("```").rstrip()
+    if name not in names:
+        return None
+    return {"name": name, "arguments": args}
+
+
+def salvage_calls(text: str, names: set[str]) -> list[dict] | None:
+    """Calls of offered tools (`names`) from markup no parser could read, their arguments as
+    generated; None when some piece names no offered tool."""
+    pieces = [text]
+    for begin in _CALL_BEGINS:
+        pieces = [part for piece in pieces for part in piece.split(begin)]
+    calls = []
+    for piece in pieces:
+        if not piece.strip():
+            continue
+        call = _salvage_one(piece, names)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+# --------------------------------------------------------------------------- is it a call?
+#
+# A marker quoted in prose ("wrap each call in <tool_call> tags") must not swallow the answer:
+# what follows a start marker is checked as it arrives; True: a call, False: prose, None: not
+# decided yet.
+
+Verdict = bool | None
+_NAME_CHARS = re.compile(r"[\w.\-:]*")
+
+
+def _opens_with(head: str, starts: tuple[str, ...]) -> Verdict:
+    text = head.lstrip()
+    if not text:
+        return None
+    if any(text.startswith(s) for s in starts):
+        return True
+    if any(s.startswith(text) for s in starts):
+        return None
+    return False
+
+
+def _json_head(head: str) -> Verdict:
+    """hermes / qwen3_coder ``<tool_call>``: a JSON object (or list) or a ``<function=`` block."""
+    return _opens_with(head, ("{", "[", "<function="))
+
+
+def _function_head(head: str) -> Verdict:
+    """``<function=NAME>``."""
+    name = _NAME_CHARS.match(head)
+    end = name.end() if name else 0
+    if end == len(head):
+        return None
+    return end > 0 and head[end] == ">"
+
+
+def _name_then(head: str, follows: tuple[str, ...]) -> Verdict:
+    """A tool name right away, then one of `follows` (or a JSON object / list)."""
+    text = head.lstrip()
+    name = _NAME_CHARS.match(text)
+    end = name.end() if name else 0
+    if text[:1] in ("{", "["):
+        return True
+    if end == len(text):
+        return None
+    if end == 0:
+        return False
+    rest = text[end:]
+    if any(rest.startswith(f) for f in follows):
+        return True
+    if any(f.startswith(rest) for f in follows):
+        return None
+    return False
+
+
+def _glm_head(head: str) -> Verdict:
+    return _name_then(head, ("\n", "<arg_key>", "</tool_call>", "{"))
+
+
+def _mistral_head(head: str) -> Verdict:
+    return _name_then(head, ("[ARGS]", "[CALL_ID]"))
+
+
+def _gemma_head(head: str) -> Verdict:
+    return _opens_with(head, ("call:",))
+
+
 @dataclass(frozen=True)
 class Markup:
     start: str
     end: str  # "" = the calls run to the end of the output
     parse: Callable[[str, list | None], list[dict]]
+    # whether what follows `start` is a call (see above); None: any text after `start` is one
+    plausible: Callable[[str], Verdict] | None = None
 
 
-_HERMES = [Markup("<tool_call>", "</tool_call>", _tag_parser(glm=False))]
+_HERMES = [Markup("<tool_call>", "</tool_call>", _tag_parser(glm=False), _json_head)]
 
 _FAMILY_MARKUP: dict[str, list[Markup]] = {
     "hermes": _HERMES,
     "qwen3_coder": [
-        Markup("<tool_call>", "</tool_call>", _tag_parser(glm=False)),
-        Markup("<function=", "</function>", _parse_bare_function),
+        Markup("<tool_call>", "</tool_call>", _tag_parser(glm=False), _json_head),
+        Markup("<function=", "</function>", _parse_bare_function, _function_head),
     ],
-    "glm": [Markup("<tool_call>", "</tool_call>", _tag_parser(glm=True))],
+    "glm": [Markup("<tool_call>", "</tool_call>", _tag_parser(glm=True), _glm_head)],
     "llama3": [Markup("<|python_tag|>", "", _parse_llama3)],
-    "mistral": [Markup("[TOOL_CALLS]", "", _parse_mistral)],
+    "mistral": [Markup("[TOOL_CALLS]", "", _parse_mistral, _mistral_head)],
     "gemma": [
-        Markup("<|tool_call>", "<tool_call|>", _parse_with_mlx("gemma4")),
-        Markup("<start_function_call>", "<end_function_call>", _parse_with_mlx("function_gemma")),
+        Markup("<|tool_call>", "<tool_call|>", _parse_with_mlx("gemma4"), _gemma_head),
+        Markup("<start_function_call>", "<end_function_call>", _parse_with_mlx("function_gemma"), _gemma_head),
     ],
     "deepseek": [
         Markup("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _parse_deepseek),

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "Delta", "ReasoningDelta", "TextDelta", "ToolCall", "new_call_id", "normalize_arguments",
-    "normalize_tools", "tool_names", "calls_from_json", "json_values",
+    "Delta", "OutputWarning", "ReasoningDelta", "TextDelta", "ToolCall", "new_call_id", "normalize_arguments",
+    "call_arguments", "normalize_tools", "tool_names", "calls_from_json", "json_values",
 ]  # fmt: skip
 
 
@@ -31,13 +31,30 @@ class ReasoningDelta:
 
 @dataclass
 class ToolCall:
+    """One call. `arguments` is the text of a JSON object ("{}" when there are none), or, when
+    `problem` says why it is not one, the arguments as the model generated them."""
+
     id: str
     name: str
-    arguments: str  # text of a JSON object, "{}" when there are none
+    arguments: str
     model_id: str | None = field(default=None, compare=False)  # the id the model printed, if any
+    problem: str | None = field(default=None, compare=False)  # why `arguments` is not a JSON object
 
 
 Delta = TextDelta | ReasoningDelta | ToolCall
+
+
+@dataclass(frozen=True)
+class OutputWarning:
+    """Something in the output that could not be read as the model meant it; every API returns
+    these in its response's `warnings` (docs/agents.md)."""
+
+    # tool_call_unclosed | tool_call_unparsed | tool_call_unknown_tool | tool_arguments_invalid | media_omitted
+    code: str
+    message: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
 
 
 def new_call_id() -> str:
@@ -78,46 +95,56 @@ def tool_names(tools: Iterable[dict] | None) -> set[str]:
     return {t["function"]["name"] for t in normalize_tools(tools)}
 
 
-def _raw(text: str) -> str:
-    return json.dumps({"_raw": text}, ensure_ascii=False)
-
-
-def _dump_object(value: dict) -> str:
+def _dump_object(value: dict) -> tuple[str, str | None]:
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, default=str)
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, default=str), None
     except (TypeError, ValueError):  # NaN/inf, non-string keys
-        return _raw(str(value))
+        return str(value), "arguments hold values JSON cannot carry (NaN, infinity or non-string keys)"
 
 
-def normalize_arguments(value: Any) -> str:
-    """The text of a JSON object for a call's arguments (see the module notes)."""
+def _kind(value: Any) -> str:
+    return {str: "a string", list: "a list", bool: "a boolean"}.get(type(value), "a number")
+
+
+def call_arguments(value: Any) -> tuple[str, str | None]:
+    """A call's arguments as the text of a JSON object, and None; or, when they are not one, the
+    arguments as generated and what is wrong with them (the client's validation tells the model).
+
+    Repaired on the way: arguments JSON-encoded twice, Python dict literals (``{'a': 1}``)."""
     if value is None:
-        return "{}"
+        return "{}", None
     if isinstance(value, dict):
         return _dump_object(value)
     if isinstance(value, str):
         text = value.strip()
         if not text:
-            return "{}"
+            return "{}", None
         decoded: Any = text
+        error = ""
         for _ in range(2):  # arguments sometimes arrive JSON-encoded twice
             try:
                 decoded = json.loads(decoded)
-            except (ValueError, RecursionError):
+            except (ValueError, RecursionError) as exc:
+                error = str(exc)
                 decoded = _python_literal(decoded)
                 if decoded is None:
-                    return _raw(value)
+                    return text, f"arguments are not valid JSON ({error})"
             if not isinstance(decoded, str):
                 break
         if decoded is None:
-            return "{}"
+            return "{}", None
         if isinstance(decoded, dict):
             return _dump_object(decoded)
-        return _raw(value)
+        return text, f"arguments are {_kind(decoded)}, not a JSON object"
     try:
-        return _raw(json.dumps(value, ensure_ascii=False, default=str))
+        return json.dumps(value, ensure_ascii=False, default=str), f"arguments are {_kind(value)}, not a JSON object"
     except (TypeError, ValueError):
-        return _raw(str(value))
+        return str(value), "arguments are not a JSON object"
+
+
+def normalize_arguments(value: Any) -> str:
+    """The arguments' text (see :func:`call_arguments`)."""
+    return call_arguments(value)[0]
 
 
 def _python_literal(text: str) -> Any:

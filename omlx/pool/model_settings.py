@@ -25,6 +25,8 @@ class GenerationDefaults(SamplingValues):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_tokens: int | None = Field(default=None, ge=1)
+    # what a request may ask for at most (agents send max_tokens 32000 whatever the model)
+    max_tokens_cap: int | None = Field(default=None, ge=1, description="Cap on a request's max_tokens")
     context_length: int | None = Field(default=None, ge=16, description="Cap on the context window")
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -44,6 +44,7 @@ from omlx.server.openapi import install_openapi
 from omlx.server.prometheus import install_metrics
 from omlx.server.responses_routes import router as responses_router
 from omlx.server.startup import StartState, load_at_start
+from omlx.server.turn_memory import TurnMemory
 from omlx.settings import Settings
 
 log = logging.getLogger("omlx.server")
@@ -126,6 +127,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.pool = pool
     app.state.cache = store
     app.state.responses = ResponseStore()
+    app.state.turn_memory = TurnMemory()  # answers as generated, for the next turn's prompt
     app.state.started = time.time()
     app.state.metrics = metrics
     install_error_handlers(app)

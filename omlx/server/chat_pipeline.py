@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omlx.api.chat_template import render_chat
+from omlx.api.chat_template import TURN_MARK, encode_spliced, render_text
 from omlx.api.output_format import OutputFormat
 from omlx.api.output_parser import OutputParser
 from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
-from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
+from omlx.api.tool_calls import OutputWarning, ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_id
@@ -27,6 +27,7 @@ from omlx.pool.engine_pool import Resolved
 from omlx.server.generation import completion_budget, event_error, sampling_params
 from omlx.server.log_setup import bind
 from omlx.server.structured import build_constraint, tool_forcing
+from omlx.server.turn_memory import GeneratedTurn, TurnMemory, answer_prefill
 
 log = logging.getLogger("omlx.server")
 
@@ -47,6 +48,7 @@ class ChatTurn:
     id_prefix: str = "chatcmpl"
     output_format: OutputFormat | None = None  # held to it (docs/design/structured-output.md)
     thinking_budget: int | None = None  # reasoning tokens before the end of thinking is forced
+    warnings: list[OutputWarning] = field(default_factory=list)  # found in the request (images …)
 
 
 @dataclass
@@ -58,6 +60,15 @@ class PreparedChat:
     starts_in_reasoning: bool
     think_start: str = "<think>"
     think_end: str = "</think>"
+    warnings: list[OutputWarning] = field(default_factory=list)  # the request's own
+    memory: TurnMemory | None = None  # where the answer is remembered as generated
+    model_id: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
+
+    def remember(self, text: str, tokens: list[int], content: str, calls: list[ToolCall], ev: GenerationEvent) -> None:
+        """Keep an answer that ended normally, as generated, for the conversation's next request."""
+        if self.memory is not None and ev.finish_reason in ("stop", "length") and ev.stop_string is None:
+            self.memory.remember(self.model_id, self.messages, text, tokens, content, calls)
 
     def new_parser(self) -> OutputParser:
         return OutputParser(
@@ -77,14 +88,7 @@ class ChatFinal:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-
-
-def _tool_instruction(choice: str | None, tools: list[dict[str, Any]]) -> str | None:
-    if choice in (None, "auto", "none"):
-        return None
-    if choice in ("required", "any"):
-        return "You must answer by calling one of the available tools."
-    return f"You must answer by calling the tool '{choice}'."
+    warnings: list[OutputWarning] = field(default_factory=list)  # the request's, then the output's
 
 
 def _fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -104,38 +108,83 @@ def _family(engine: LLMEngine) -> str | None:
     return engine.tool_family  # type: ignore[attr-defined]
 
 
-def render_turn(tokenizer: Any, turn: ChatTurn, tools: list[dict[str, Any]] | None, native_tools: bool) -> list[int]:
+def render_turn(
+    tokenizer: Any,
+    turn: ChatTurn,
+    tools: list[dict[str, Any]] | None,
+    native_tools: bool,
+    recalled: dict[int, GeneratedTurn] | None = None,
+    prefill: str = "",
+) -> tuple[list[int], list[int]]:
+    """The prompt's token ids; assistant turns in `recalled` (by message index) are rendered as
+    generated (`prefill` + their text) and keep their token ids. Also returns the indices (into
+    the recalled turns, in order) that the template rewrote, encoded as text instead."""
     messages = [dict(m) for m in turn.messages]
-    instruction = _tool_instruction(turn.tool_choice, tools or [])
+    for k, (index, generated) in enumerate(sorted((recalled or {}).items())):
+        messages[index] = {"role": "assistant", "content": prefill + TURN_MARK.format(k) + generated.text}
+    # A forced tool choice is held by its grammar, not asked for in the prompt: a prompt that
+    # changed with the tool choice would lose the conversation's cached prefix.
     if tools and not native_tools:
         messages = inject_tools_into_system(messages, tools)
-    if instruction:
-        if messages and messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}"}
-        else:
-            messages.insert(0, {"role": "system", "content": instruction})
     template_tools = [{"type": "function", "function": t} for t in tools] if tools and native_tools else None
     try:
-        return render_chat(tokenizer, messages, tools=template_tools, template_kwargs=turn.template_kwargs)
+        text = render_text(tokenizer, messages, tools=template_tools, template_kwargs=turn.template_kwargs)
     except InvalidRequestError:
+        if recalled:  # a template that wants the calls as the client sent them
+            return render_turn(tokenizer, turn, tools, native_tools)
         late_system = any(m["role"] == "system" for m in messages[1:])
         if not late_system:
             raise
-        return render_chat(
+        text = render_text(
             tokenizer, _fold_late_system(messages), tools=template_tools, template_kwargs=turn.template_kwargs
         )
+    turns = [(g.text, list(g.tokens)) for _, g in sorted((recalled or {}).items())]
+    return encode_spliced(tokenizer, text, turns)
+
+
+def recall_turns(memory: TurnMemory | None, model: str, messages: list[dict[str, Any]]) -> dict[int, GeneratedTurn]:
+    """The assistant turns of `messages` this server generated and the client sent back unchanged."""
+    if memory is None:
+        return {}
+    found = {}
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            generated = memory.recall(model, messages, i)
+            if generated is not None:
+                found[i] = generated
+    return found
+
+
+def _prefill(engine: LLMEngine, template_kwargs: dict[str, Any]) -> str:
+    """`answer_prefill` of the engine's template, probed once per set of template arguments."""
+    cache = engine.__dict__.setdefault("answer_prefills", {})
+    key = repr(sorted(template_kwargs.items()))
+    if key not in cache:
+        cache[key] = answer_prefill(engine.tokenizer, template_kwargs)
+    return cache[key]
 
 
 async def prepare_chat(
-    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int
+    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int, memory: TurnMemory | None = None
 ) -> PreparedChat:
+    """Render, budget and constrain the turn; earlier assistant turns this server generated go
+    back into the prompt as generated (`memory`), and so does this one's answer."""
     tokenizer = engine.tokenizer
     defaults = resolved.defaults
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(tokenizer)
     family = _family(engine) if native or not tools else "hermes"
     turn.template_kwargs = {**(defaults.chat_template_kwargs or {}), **turn.template_kwargs}
-    prompt = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native)
+    request_id = new_request_id(turn.id_prefix)
+    recalled = recall_turns(memory, engine.model_id, turn.messages)
+    prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
+    prompt, rewritten = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native, recalled, prefill)
+    if rewritten:
+        log.info(
+            "request=%s: the chat template rewrote %d of the %d earlier assistant turns sent back as generated "
+            "(e.g. it drops past reasoning); the prompt differs from the previous one from the first of them on, "
+            "and the cache restores only what precedes it", request_id, len(rewritten), len(recalled),
+        )  # fmt: skip
     think_start = getattr(tokenizer, "think_start", None) or "<think>"
     think_end = getattr(tokenizer, "think_end", None) or "</think>"
     reasoning = bool(getattr(tokenizer, "has_thinking", False))
@@ -144,7 +193,7 @@ async def prepare_chat(
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
     budget = completion_budget(
         engine, len(prompt), turn.max_tokens, defaults.max_tokens or default_max_tokens,
-        window_cap=defaults.context_length,
+        window_cap=defaults.context_length, cap=defaults.max_tokens_cap,
     )
     sampling = sampling_params(
         turn.sampling, defaults, seed=turn.seed, logit_bias=turn.logit_bias, vocab_size=engine.model_vocab_size
@@ -154,7 +203,7 @@ async def prepare_chat(
         family=family, starts_in_reasoning=starts_in_reasoning, budget=turn.thinking_budget,
     )  # fmt: skip
     request = GenerationRequest(
-        request_id=new_request_id(turn.id_prefix),
+        request_id=request_id,
         prompt_tokens=prompt,
         max_tokens=budget,
         sampling=sampling,
@@ -163,52 +212,62 @@ async def prepare_chat(
         constraint=constraint,
     )
     bind(request_id=request.request_id)
-    return PreparedChat(request, family, tools, reasoning, starts_in_reasoning, think_start, think_end)
+    return PreparedChat(
+        request, family, tools, reasoning, starts_in_reasoning, think_start, think_end, list(turn.warnings),
+        memory, engine.model_id, turn.messages,
+    )
 
 
-def final_from(ev: GenerationEvent, parser: OutputParser) -> ChatFinal:
+def final_from(ev: GenerationEvent, parser: OutputParser, prepared: PreparedChat | None = None) -> ChatFinal:
+    """The finish of a parsed generation: any tool call makes it `tool_calls` (also when the
+    length limit cut text after the calls), and the warnings of the request and the output."""
     reason = ev.finish_reason or "stop"
-    if parser.tool_calls and reason == "stop":
+    if parser.tool_calls and reason in ("stop", "length"):
         reason = "tool_calls"
-    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
+    warnings = [*(prepared.warnings if prepared else []), *parser.warnings]
+    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, warnings)
 
 
 async def parsed_events(
-    events: AsyncIterator[GenerationEvent], parser: OutputParser
+    events: AsyncIterator[GenerationEvent], parser: OutputParser, prepared: PreparedChat | None = None
 ) -> AsyncIterator[tuple[list[TextDelta | ReasoningDelta | ToolCall], GenerationEvent]]:
-    """Each engine event with the parsed deltas its text produced (the last one also flushes)."""
+    """Each engine event with the parsed deltas its text produced (the last one also flushes);
+    at the end the answer is remembered as generated (`PreparedChat.remember`)."""
+    text: list[str] = []
+    tokens: list[int] = []
+    content: list[str] = []
     async for ev in events:
         if ev.finish_reason == "error":
             raise event_error(ev)
         deltas = parser.feed(ev.text) if ev.text else []
         if ev.finish_reason is not None:
             deltas += parser.finish()
+        if prepared is not None:
+            text.append(ev.text)
+            tokens += ev.token_ids
+            content += [d.text for d in deltas if isinstance(d, TextDelta)]
+            if ev.finish_reason is not None:
+                prepared.remember("".join(text), tokens, "".join(content), parser.tool_calls, ev)
         yield deltas, ev
 
 
 @dataclass
 class ChatResult:
-    text: str
-    reasoning: str
-    tool_calls: list[ToolCall]
+    deltas: list[TextDelta | ReasoningDelta | ToolCall]
     final: ChatFinal
     events: list[GenerationEvent]
 
 
 async def run_chat(engine: LLMEngine, prepared: PreparedChat, request: GenerationRequest | None = None) -> ChatResult:
+    """One sequence run to its end: every parsed delta, the finish, the engine's events."""
     parser = prepared.new_parser()
-    text, reasoning, calls, events = [], [], [], []
+    deltas: list[TextDelta | ReasoningDelta | ToolCall] = []
+    events: list[GenerationEvent] = []
     final = None
-    async for deltas, ev in parsed_events(engine.generate(request or prepared.request), parser):
+    async for batch, ev in parsed_events(engine.generate(request or prepared.request), parser, prepared):
         events.append(ev)
-        for d in deltas:
-            if isinstance(d, TextDelta):
-                text.append(d.text)
-            elif isinstance(d, ReasoningDelta):
-                reasoning.append(d.text)
-            else:
-                calls.append(d)
+        deltas += batch
         if ev.finish_reason is not None:
-            final = final_from(ev, parser)
+            final = final_from(ev, parser, prepared)
     assert final is not None
-    return ChatResult("".join(text), "".join(reasoning), calls, final, events)
+    return ChatResult(deltas, final, events)

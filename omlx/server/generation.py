@@ -59,8 +59,10 @@ def completion_budget(
     *,
     window_cap: int | None = None,
     allow_zero: bool = False,
+    cap: int | None = None,
 ) -> int:
-    """Clamp the completion length to what is left of the context window.
+    """Clamp the completion length to what is left of the context window, and to `cap` (the
+    model's `max_tokens_cap`).
 
     A prompt that does not fit is refused with both numbers; it is never truncated.
     """
@@ -85,6 +87,8 @@ def completion_budget(
             )
         window = held
     wanted = default if requested is None else requested
+    if cap is not None:
+        wanted = min(wanted, cap)
     return max(0 if allow_zero else 1, min(wanted, window - prompt_len))
 
 

@@ -11,17 +11,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from omlx.api.chat_template import content_text, normalize_tool_calls
+from omlx.api.media import MediaPolicy
 from omlx.api.openai_models import ChatCompletionRequest
 from omlx.api.output_format import openai_response_format
-from omlx.api.tool_calls import ReasoningDelta, TextDelta, ToolCall
 from omlx.api.tool_specs import openai_tool_choice, openai_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationRequest
 from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
+from omlx.server.chat_chunks import ChatChunks, chat_usage
 from omlx.server.chat_pipeline import (
     ChatFinal,
-    ChatResult,
     ChatTurn,
     PreparedChat,
     final_from,
@@ -29,7 +29,7 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     run_chat,
 )
-from omlx.server.generation import SAMPLING_FIELDS, fan_out, usage_dict
+from omlx.server.generation import SAMPLING_FIELDS, fan_out
 from omlx.server.openai_routes import chat_logprobs, default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 from omlx.server.structured import effort_budget
@@ -37,12 +37,13 @@ from omlx.server.structured import effort_budget
 router = APIRouter()
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """OpenAI messages → HF chat-template messages."""
+def chat_messages(req: ChatCompletionRequest, media: MediaPolicy) -> list[dict[str, Any]]:
+    """OpenAI messages → HF chat-template messages (`media` collects the warnings)."""
     out = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else ("tool" if m.role == "function" else m.role)
-        msg: dict[str, Any] = {"role": role, "content": content_text(m.content, f"messages.{i}.content")}
+        content = content_text(m.content, f"messages.{i}.content", media, in_tool_result=role == "tool")
+        msg: dict[str, Any] = {"role": role, "content": content}
         calls = normalize_tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
         if calls:
             msg["tool_calls"] = calls
@@ -59,8 +60,9 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 def _turn(body: ChatCompletionRequest) -> ChatTurn:
     """The request as a chat turn, checked before any model is leased."""
     tools = openai_tools(body.tools)
+    media = MediaPolicy(body.model)
     return ChatTurn(
-        messages=chat_messages(body),
+        messages=chat_messages(body, media),
         tools=tools,
         tool_choice=openai_tool_choice(body.tool_choice, tools),
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -75,26 +77,8 @@ def _turn(body: ChatCompletionRequest) -> ChatTurn:
             body.thinking_budget if body.thinking_budget is not None
             else effort_budget(body.reasoning_effort, "reasoning_effort")
         ),
+        warnings=media.warnings,
     )
-
-
-def _tool_call_json(call: ToolCall, index: int) -> dict[str, Any]:
-    return {"index": index, "id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _message(result: ChatResult) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant", "content": result.text if (result.text or not result.tool_calls) else None}
-    if result.reasoning:
-        msg["reasoning_content"] = result.reasoning
-    if result.tool_calls:
-        msg["tool_calls"] = [{k: v for k, v in _tool_call_json(c, i).items() if k != "index"}
-                             for i, c in enumerate(result.tool_calls)]
-    return msg
-
-
-def _usage(finals: list[ChatFinal]) -> dict[str, Any]:
-    return usage_dict(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens)
 
 
 @router.post("/v1/chat/completions")
@@ -106,7 +90,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 
 
 async def _chat(body: ChatCompletionRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
-    prepared = await prepare_chat(engine, resolved, turn, default_max_tokens(request, resolved.defaults))
+    prepared = await prepare_chat(
+        engine, resolved, turn, default_max_tokens(request, resolved.defaults), request.app.state.turn_memory
+    )
     requests = fan_out(prepared.request, body.n)
     created = int(time.time())
     rid = prepared.request.request_id
@@ -122,16 +108,17 @@ async def _chat(body: ChatCompletionRequest, turn: ChatTurn, request: Request, e
         results = await asyncio.gather(*(run_chat(engine, prepared, r) for r in requests))
     finally:
         engine.release(requests)
+    chunks = ChatChunks(rid, body.model, created, n=len(results))
     choices = []
     for i, result in enumerate(results):
+        chunks.feed(i, result.deltas)
         lp = None
         if body.logprobs:
             lp = chat_logprobs(engine.tokenizer, [x for ev in result.events for x in ev.logprobs])
-        choices.append({"index": i, "message": _message(result), "logprobs": lp,
-                        "finish_reason": result.final.finish_reason})
+        choices.append(chunks.choice_body(i, result.final, lp))
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": body.model,
-        "system_fingerprint": None, "choices": choices, "usage": _usage([r.final for r in results]),
+        "system_fingerprint": None, "choices": choices, "usage": chat_usage([r.final for r in results]),
     })
 
 
@@ -139,8 +126,9 @@ async def _one_stream(engine: LLMEngine, prepared: PreparedChat, req: Generation
                       queue: asyncio.Queue) -> None:
     parser = prepared.new_parser()
     try:
-        async for deltas, ev in parsed_events(engine.generate(req), parser):
-            await queue.put((index, deltas, ev, final_from(ev, parser) if ev.finish_reason else None, None))
+        async for deltas, ev in parsed_events(engine.generate(req), parser, prepared):
+            final = final_from(ev, parser, prepared) if ev.finish_reason else None
+            await queue.put((index, deltas, ev, final, None))
     except Exception as exc:  # reported in-band by the consumer
         await queue.put((index, [], None, None, exc))
     finally:
@@ -165,17 +153,10 @@ async def _merged(engine: LLMEngine, prepared: PreparedChat, requests: list[Gene
 
 async def _stream(engine: LLMEngine, prepared: PreparedChat, requests: list[GenerationRequest], rid: str,
                   model: str, created: int, include_usage: bool, interval: float) -> AsyncIterator[str]:
-    def chunk(choices: list[dict[str, Any]], usage: Any = None, last: bool = False) -> str:
-        payload: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                   "system_fingerprint": None, "choices": choices}
-        if include_usage:
-            payload["usage"] = usage
-        return sse_data(payload)
-
-    for i in range(len(requests)):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+    chunks = ChatChunks(rid, model, created, n=len(requests), include_usage=include_usage)
+    for line in chunks.start():
+        yield line
     finals: list[ChatFinal | None] = [None] * len(requests)
-    call_counts = [0] * len(requests)
     want_logprobs = requests[0].logprobs is not None
     async for item in with_keepalive(_merged(engine, prepared, requests), interval):
         if item is KEEPALIVE:
@@ -187,24 +168,11 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, requests: list[Gene
             yield sse_data({"error": {"message": str(error), "type": kind, "param": None, "code": None}})
             return
         lp = chat_logprobs(engine.tokenizer, ev.logprobs) if want_logprobs and ev.logprobs else None
-        for d in deltas:
-            if isinstance(d, TextDelta) and d.text:
-                delta: dict[str, Any] = {"content": d.text}
-            elif isinstance(d, ReasoningDelta) and d.text:
-                delta = {"reasoning_content": d.text}
-            elif isinstance(d, ToolCall):
-                delta = {"tool_calls": [_tool_call_json(d, call_counts[i])]}
-                call_counts[i] += 1
-            else:
-                continue
-            yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": None}])
-            lp = None
-        if lp is not None:
-            yield chunk([{"index": i, "delta": {}, "logprobs": lp, "finish_reason": None}])
+        for line in chunks.feed(i, deltas, lp):
+            yield line
         if final is not None:
             finals[i] = final
-            yield chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": final.finish_reason}])
-    if include_usage and all(finals):
-        yield chunk([], _usage(finals))  # type: ignore[arg-type]
-    yield "data: [DONE]\n\n"
-
+            for line in chunks.finish(i, final):
+                yield line
+    for line in chunks.end(finals):
+        yield line

@@ -157,7 +157,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
     for p in prompts:
         budget = completion_budget(
             engine, len(p), body.max_tokens, default_max_tokens(request, defaults),
-            window_cap=defaults.context_length, allow_zero=body.echo,
+            window_cap=defaults.context_length, cap=defaults.max_tokens_cap, allow_zero=body.echo,
         )
         base = GenerationRequest(
             request_id=new_request_id("cmpl"),

@@ -4,7 +4,7 @@ FastAPI's generated schema documents a 422 that this server never sends (validat
 are 400, `server/errors.py`) and none of the errors it does send. Here every operation's 422
 becomes a 400 and each operation lists the error statuses it can send, with the error body of
 its dialect: OpenAI's `{"error": {...}}`, or Anthropic's `{"type": "error", ...}` on
-`/v1/messages`.
+`/v1/messages`; the streaming routes' 200 also lists `text/event-stream`.
 """
 
 from __future__ import annotations
@@ -151,6 +151,24 @@ def _document_errors(operation: dict[str, Any], statuses: list[int], schema: str
         responses[str(status)] = _error_response(status, schema)
 
 
+# Routes that answer `"stream": true` with server-sent events: (method, path) → what the events are.
+STREAMING: dict[tuple[str, str], str] = {
+    ("POST", "/v1/chat/completions"): "`chat.completion.chunk` objects as `data:` lines, then `data: [DONE]`",
+    ("POST", "/v1/completions"): "`text_completion` chunks as `data:` lines, then `data: [DONE]`",
+    ("POST", "/v1/messages"): "Anthropic events (`message_start` … `message_stop`, `ping`) as `event:` + `data:`",
+    ("POST", "/v1/responses"): "Responses events (`response.created` … `response.completed`) as `event:` + `data:`",
+}
+
+
+def _document_stream(operation: dict[str, Any], events: str) -> None:
+    """The 200 of a streaming route also answers `text/event-stream` (with `"stream": true`)."""
+    ok = operation.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
+    ok.setdefault("content", {})["text/event-stream"] = {
+        "schema": {"type": "string", "description": f'With "stream": true: {events}; comment lines '
+                   "(`: keep-alive`) while the prompt is prefilled."},
+    }  # fmt: skip
+
+
 def _drop_validation_schemas(schema: dict[str, Any]) -> None:
     """FastAPI's 422 body models, referenced by nothing once every 422 is gone."""
     components = schema.get("components", {}).get("schemas", {})
@@ -188,6 +206,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             operation = path.get(method.lower())
             if operation is not None:
                 _document_errors(operation, error_statuses(route, method), dialect)
+                if (method, route.path) in STREAMING:
+                    _document_stream(operation, STREAMING[(method, route.path)])
     _drop_validation_schemas(schema)
     _health_errors(schema)
     return schema

@@ -111,3 +111,13 @@ def test_the_error_schemas_match_the_bodies_sent(in_process_app, schema):
     jsonschema.validate(openai.json(), components["Error"])
     jsonschema.validate(unauthorised.json(), components["Error"])
     jsonschema.validate(anthropic.json(), components["AnthropicError"])
+
+
+def test_streaming_routes_document_their_event_streams(schema):
+    """What schemathesis checks responses against: a streamed answer's content type is documented."""
+    from omlx.server.openapi import STREAMING
+
+    assert {path for _method, path in STREAMING} == set(INFERENCE[:4])
+    for method, path in STREAMING:
+        content = schema["paths"][path][method.lower()]["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(content)

@@ -238,3 +238,114 @@ def test_openai_chat_accepts_assistant_tool_calls_with_empty_content(oai):
         tools=[{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["input_schema"]}}],
     )
     assert got.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+# --------------------------------------------------------------------------- content agents send
+
+IMAGE_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+DATA_URL = "data:image/png;base64," + IMAGE_B64
+
+
+def test_unknown_content_types_are_dropped_with_a_note(tiny_server):
+    """New block and part types from newer clients never cost a 4xx: left out, and logged."""
+    url = tiny_server.base_url
+    answers = [
+        httpx.post(url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "hologram_a", "data": 1}]}]}),
+        httpx.post(url + "/v1/chat/completions", timeout=60, json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "hologram_b"}]}]}),
+        httpx.post(url + "/v1/responses", timeout=60, json={"model": MODEL, "max_output_tokens": 2, "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "hologram_c"}]}]}),
+    ]  # fmt: skip
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+    for kind in ("hologram_a", "hologram_b", "hologram_c"):
+        assert f"unknown type '{kind}'" in tiny_server.log()
+
+
+def test_images_at_the_top_level_are_a_400_naming_the_model(tiny_server):
+    url = tiny_server.base_url
+    answers = [
+        httpx.post(url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": IMAGE_B64}}]}]}),
+        httpx.post(url + "/v1/chat/completions", timeout=60, json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}}]}]}),
+        httpx.post(url + "/v1/responses", timeout=60, json={"model": MODEL, "max_output_tokens": 2, "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": DATA_URL}]}]}),
+    ]  # fmt: skip
+    assert [a.status_code for a in answers] == [400, 400, 400]
+    assert answers[0].json()["type"] == "error"  # each in its caller's dialect
+    for a in answers:
+        assert f"model '{MODEL}'" in a.text and "image" in a.text
+
+
+def test_an_image_in_a_tool_result_becomes_a_placeholder_and_a_warning(claude, oai, tiny_server):
+    """What a screenshot tool returns reaches the model as a placeholder; the answer says so."""
+    msg = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=[
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "text", "text": "done:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": IMAGE_B64}}]}]},
+    ])  # fmt: skip
+    assert [w["code"] for w in msg.model_extra["warnings"]] == ["media_omitted"]
+    chat = oai.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}}]},
+    ])  # fmt: skip
+    assert [w["code"] for w in chat.choices[0].model_extra["warnings"]] == ["media_omitted"]
+    response = oai.responses.create(model=MODEL, max_output_tokens=2, temperature=0, input=[
+        {"type": "message", "role": "user", "content": "take a screenshot"},
+        {"type": "function_call", "call_id": "call_1", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "input_image", "image_url": DATA_URL}]},
+    ])  # fmt: skip
+    assert [w["code"] for w in response.model_extra["warnings"]] == ["media_omitted"]
+    placeholder = claude.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": IMAGE_B64}}]}]}])
+    empty = claude.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": []}]}])
+    assert placeholder.input_tokens > empty.input_tokens + 5  # the model sees the placeholder
+
+
+def test_a_call_cut_by_max_tokens_is_text_with_a_warning_on_every_api(claude, oai):
+    """A forced call (its grammar opens the envelope) cut after a few tokens: never a silent
+    stop; the text comes back with the length finish and a `tool_call_unclosed` warning."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": TOOLS[0]["input_schema"]}}]
+    ask = [{"role": "user", "content": "weather in Paris?"}]
+    kw = dict(model=MODEL, max_tokens=24, temperature=0, tools=tools, tool_choice="required")
+    whole = oai.chat.completions.create(messages=ask, **kw).choices[0]
+    chunks = list(oai.chat.completions.create(messages=ask, stream=True, **kw))
+    streamed = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    for choice in (whole, streamed):
+        assert choice.finish_reason == "length"
+        assert [w["code"] for w in choice.model_extra["warnings"]] == ["tool_call_unclosed"]
+    assert whole.message.content.startswith("<tool_call>")
+    kw = dict(model=MODEL, max_tokens=24, messages=ask, tools=TOOLS[:1], tool_choice={"type": "any"}, extra_body=GREEDY)
+    msg = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as stream:
+        delta = [e for e in stream if e.type == "message_delta"][0]
+    assert msg.stop_reason == "max_tokens" and msg.content[0].text.startswith("<tool_call>")
+    for warnings in (msg.model_extra["warnings"], delta.model_extra["warnings"]):
+        assert [w["code"] for w in warnings] == ["tool_call_unclosed"]
+    kw = dict(model=MODEL, input="weather in Paris?", max_output_tokens=24, temperature=0, tool_choice="required",
+              tools=[{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["input_schema"]}])
+    whole = oai.responses.create(**kw)
+    streamed = [e for e in oai.responses.create(stream=True, **kw) if e.type == "response.incomplete"][0].response
+    for response in (whole, streamed):
+        assert response.status == "incomplete" and not [o for o in response.output if o.type == "function_call"]
+        assert [w["code"] for w in response.model_extra["warnings"]] == ["tool_call_unclosed"]
+
+
+def test_a_models_max_tokens_cap_bounds_what_agents_ask_for(claude, tiny_server):
+    """Claude Code asks for 32000 tokens whatever the model: the model's `max_tokens_cap` holds."""
+    r = httpx.put(f"{tiny_server.base_url}/api/models/{NO_EOS}/settings", json={"max_tokens_cap": 7}, timeout=30)
+    assert r.status_code == 200, r.text
+    try:
+        msg = claude.messages.create(model=NO_EOS, max_tokens=32000, extra_body=GREEDY,
+                                     messages=[{"role": "user", "content": "count"}])
+        assert msg.usage.output_tokens == 7 and msg.stop_reason == "max_tokens"
+    finally:
+        httpx.put(f"{tiny_server.base_url}/api/models/{NO_EOS}/settings", json={"max_tokens_cap": None}, timeout=30)

@@ -10,7 +10,7 @@ import pytest
 
 from omlx.api.output_parser import OutputParser, parse_output
 from omlx.api.tool_call_formats import canonical_family, detect_family, prompt_opens_reasoning
-from omlx.api.tool_calls import TextDelta, ToolCall, normalize_arguments
+from omlx.api.tool_calls import TextDelta, ToolCall, call_arguments, normalize_arguments
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 
 WEATHER = {
@@ -107,9 +107,12 @@ def summary(deltas: list) -> list:
     out: list = []
     for d in deltas:
         if isinstance(d, ToolCall):
+            assert d.id.startswith("call_") and len(d.id) == 29
+            if d.problem:  # arguments as generated
+                out.append(("call", d.name, d.arguments))
+                continue
             args = json.loads(d.arguments)
             assert isinstance(args, dict), d.arguments
-            assert d.id.startswith("call_") and len(d.id) == 29
             out.append(("call", d.name, args))
         else:
             kind = "text" if isinstance(d, TextDelta) else "reasoning"
@@ -673,25 +676,30 @@ def test_feed_after_finish_raises():
 # --------------------------------------------------------------------------- arguments
 
 
-def test_normalize_arguments():
-    assert normalize_arguments(None) == "{}"
-    assert normalize_arguments("") == "{}"
+def test_call_arguments_repairs_what_it_can_and_keeps_the_rest_as_generated():
+    assert call_arguments(None) == ("{}", None)
+    assert call_arguments("") == ("{}", None)
     assert json.loads(normalize_arguments({"a": 1})) == {"a": 1}
     assert json.loads(normalize_arguments('{"a": 1}')) == {"a": 1}
     assert json.loads(normalize_arguments('"{\\"a\\": 1}"')) == {"a": 1}  # encoded twice
     assert json.loads(normalize_arguments("{'a': 1}")) == {"a": 1}
-    assert json.loads(normalize_arguments("not json")) == {"_raw": "not json"}
-    assert json.loads(normalize_arguments([1, 2])) == {"_raw": "[1, 2]"}
-    assert json.loads(normalize_arguments("[1, 2]")) == {"_raw": "[1, 2]"}
-    assert json.loads(normalize_arguments({"x": float("nan")}))["_raw"]
+    for value, text in [("not json", "not json"), ([1, 2], "[1, 2]"), ("[1, 2]", "[1, 2]"),
+                        ('{"a": 1,,}', '{"a": 1,,}')]:
+        got, problem = call_arguments(value)
+        assert got == text and problem, (value, got, problem)
+    assert call_arguments({"x": float("nan")})[1]
 
 
-def test_unparseable_argument_string_kept_raw():
+def test_arguments_that_are_no_object_stay_a_call_with_a_warning():
     check(
         '<tool_call>{"name": "search", "arguments": "find cats"}</tool_call>',
-        [call("search", _raw="find cats")],
+        [("call", "search", "find cats")],
         family="hermes",
     )
+    out = parse_output('<tool_call>{"name": "search", "arguments": "find cats"}</tool_call>',
+                       family="hermes", tools=TOOLS, reasoning=False)
+    assert [w.code for w in out.warnings] == ["tool_arguments_invalid"]
+    assert out.tool_calls[0].problem.startswith("arguments are not valid JSON")
 
 
 # --------------------------------------------------------------------------- family detection
