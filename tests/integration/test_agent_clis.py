@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(shutil.which("npm") is None, reason="npm is abse
 def models(tmp_path_factory) -> Path:
     """The pong model, with its max_tokens cap set in the server home each session copies."""
     if not (AGENTS_DIR / "node_modules" / ".bin" / "opencode").exists():  # the test setup installs them
-        subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=AGENTS_DIR, check=True, capture_output=True)
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund"], cwd=AGENTS_DIR, check=True, capture_output=True)
     root = tmp_path_factory.mktemp("cli-models")
     build_pong_model(root / MODEL, qwen_coder_dir())
     return root
