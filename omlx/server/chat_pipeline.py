@@ -9,6 +9,7 @@ consume the same stream of parsed deltas (`TextDelta`, `ReasoningDelta`,
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -242,12 +243,16 @@ async def parsed_events(
         deltas = parser.feed(ev.text) if ev.text else []
         if ev.finish_reason is not None:
             deltas += parser.finish()
+        text.append(ev.text)
         if prepared is not None:
-            text.append(ev.text)
             tokens += ev.token_ids
             content += [d.text for d in deltas if isinstance(d, TextDelta)]
             if ev.finish_reason is not None:
                 prepared.remember("".join(text), tokens, "".join(content), parser.tool_calls, ev)
+        if ev.finish_reason is not None and log.isEnabledFor(logging.DEBUG):
+            request_id = prepared.request.request_id if prepared else "-"
+            log.debug("request=%s raw_output=%s tool_calls=%d warnings=%s", request_id, json.dumps("".join(text)),
+                      len(parser.tool_calls), ",".join(w.code for w in parser.warnings) or "-")  # fmt: skip
         yield deltas, ev
 
 
