@@ -142,8 +142,10 @@ def test_a_batch_mixing_hits_and_misses_answers_each_as_alone(cached, uncached) 
 
 
 def test_an_answer_s_blocks_serve_the_next_turn_whether_it_ran_alone_or_in_a_batch(cached, uncached) -> None:
-    """The blocks a decode crossed are stored with their states (solo path and batch rows):
-    Falcon-H1's tiny answers re-render to the same tokens, so the next turn restores into them."""
+    """The blocks a decode crossed are stored with their states (solo path and batch rows): the
+    next turn, whose prompt holds the answer as generated (turn memory), restores into them.
+    The reference is the same session on the uncached server, whose turn memory holds the same
+    answer (a random model's text need not re-encode to the tokens it was generated as)."""
     model = "falcon-h1"
 
     def two_turns(k: int) -> tuple[dict, dict]:
@@ -151,6 +153,7 @@ def test_an_answer_s_blocks_serve_the_next_turn_whether_it_ran_alone_or_in_a_bat
         if k % 2:  # a prompt ending on a block boundary: its last token's forward pass crosses it
             messages = block_aligned(uncached, model, f"answers {k}")
         first = chat(cached, model, messages)
+        assert first["text"] == chat(uncached, model, messages)["text"]
         messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "more"}]
         second = chat(cached, model, messages)
         assert second["text"] == chat(uncached, model, messages)["text"]
