@@ -151,8 +151,10 @@ class Loader:
         blocks: list[CacheBlock] = []
         held = 0  # bytes of a stateful chain's KV in device memory (`_charge`)
         complete = True
+        tiers = {tail.key: tail.tier for tail in plan.tails}  # each block's tier as planned, for the report
         for run in plan.runs:
             got, whole = self._carry_out(run, loading, ahead, seconds_per_byte, charges, chain)
+            tiers.update((block.key, run.tier) for block in got)
             if run.tier is Tier.DEVICE and self.kv_only:
                 held = sum(b.nbytes for b in got)
             blocks += got
@@ -163,7 +165,10 @@ class Loader:
         if complete:
             parts += self._tail(plan, chain)
         if self.kv_only:  # a run read KV-only: its last block's state, alone
+            before = len(parts)
             parts = self.reads.with_last_state(parts, charges, chain)
+            loading.lost_state = len(parts) < before
+        loading.parts = [(tiers.get(block.key, Tier.DEVICE), used, block.nbytes) for block, used in parts]
         self.after_puts()
         if not parts:
             return None, 0
