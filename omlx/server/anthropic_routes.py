@@ -34,6 +34,7 @@ from omlx.server.chat_pipeline import (
     render_turn,
     run_chat,
 )
+from omlx.server.generation import omlx_usage
 from omlx.server.openai_routes import default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 
@@ -66,12 +67,13 @@ def stop_reason(final: ChatFinal) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def usage(final: ChatFinal) -> dict[str, int]:
+def usage(final: ChatFinal) -> dict[str, Any]:
     return {
         "input_tokens": final.prompt_tokens - final.cached_tokens,
         "output_tokens": final.completion_tokens,
         "cache_read_input_tokens": final.cached_tokens,
         "cache_creation_input_tokens": 0,
+        **omlx_usage(final.cache),
     }
 
 

@@ -77,6 +77,7 @@ class ChatFinal:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    cache: dict[str, Any] | None = None  # the prompt's restore by tier and why (usage's `omlx`)
 
 
 def _tool_instruction(choice: str | None, tools: list[dict[str, Any]]) -> str | None:
@@ -126,6 +127,16 @@ def render_turn(tokenizer: Any, turn: ChatTurn, tools: list[dict[str, Any]] | No
         )
 
 
+async def render_prompt(engine: LLMEngine, resolved: Resolved, turn: ChatTurn) -> list[int]:
+    """The prompt tokens `turn` renders to with the model's chat template, its tools and the model's
+    template defaults (a thread: templates of long histories are slow); `prepare_chat` and
+    `POST /api/cache/explain` both render through here."""
+    tools = None if turn.tool_choice == "none" else (turn.tools or None)
+    native = bool(tools) and template_supports_tools(engine.tokenizer)
+    turn.template_kwargs = {**(resolved.defaults.chat_template_kwargs or {}), **turn.template_kwargs}
+    return await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native)
+
+
 async def prepare_chat(
     engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int
 ) -> PreparedChat:
@@ -134,8 +145,7 @@ async def prepare_chat(
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(tokenizer)
     family = _family(engine) if native or not tools else "hermes"
-    turn.template_kwargs = {**(defaults.chat_template_kwargs or {}), **turn.template_kwargs}
-    prompt = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native)
+    prompt = await render_prompt(engine, resolved, turn)
     think_start = getattr(tokenizer, "think_start", None) or "<think>"
     think_end = getattr(tokenizer, "think_end", None) or "</think>"
     reasoning = bool(getattr(tokenizer, "has_thinking", False))
@@ -170,7 +180,7 @@ def final_from(ev: GenerationEvent, parser: OutputParser) -> ChatFinal:
     reason = ev.finish_reason or "stop"
     if parser.tool_calls and reason == "stop":
         reason = "tool_calls"
-    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
+    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, ev.cache)
 
 
 async def parsed_events(

@@ -94,7 +94,7 @@ def _message(result: ChatResult) -> dict[str, Any]:
 
 
 def _usage(finals: list[ChatFinal]) -> dict[str, Any]:
-    return usage_dict(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens)
+    return usage_dict(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens, finals[0].cache)
 
 
 @router.post("/v1/chat/completions")

@@ -24,6 +24,7 @@ from omlx.engine.llm_engine import LLMEngine
 from omlx.errors import InvalidRequestError, NotFoundError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_pipeline import ChatFinal, ChatTurn, final_from, parsed_events, prepare_chat
+from omlx.server.generation import omlx_usage
 from omlx.server.openai_routes import default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 from omlx.server.structured import effort_budget
@@ -59,6 +60,7 @@ def _usage(final: ChatFinal) -> dict[str, Any]:
         "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
+        **omlx_usage(final.cache),
     }
 
 
