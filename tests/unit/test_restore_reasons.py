@@ -113,6 +113,7 @@ def test_a_restore_that_fell_short_of_its_plan_says_why() -> None:
     assert (cut.reason, cut.at) == (Reason.SLOWER, 3 * B) and "cut short" in cut.detail
     assert cut.tiers == {"hot": why.TierShare(2 * B, 2 * BLOCK), "ssd": why.TierShare(B, BLOCK)}
     assert why.explain(plan, Outcome(parts, 3 * B, no_state=True), 3 * B).reason is Reason.NO_STATE
+    assert why.explain(plan, Outcome(parts, 3 * B, probed_slower=True), 3 * B).reason is Reason.SLOWER
     assert why.explain(plan, Outcome(parts, 3 * B), 3 * B).reason is Reason.GONE
     whole = parts + ((Tier.SSD, B, BLOCK),)
     grid = why.explain(plan, Outcome(whole, 4 * B), 3 * B + 5)

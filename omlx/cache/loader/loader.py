@@ -226,7 +226,7 @@ class Loader:
             return got, False
         got = self._moved_ahead(run, loading)
         if run.probe:
-            more, whole = self._probe(run, len(got), source, rate, charges, chain)
+            more, whole = self._probe(run, len(got), source, rate, charges, chain, loading)
             return got + more, whole
         more, seconds = self.reads.fetch(list(run.keys[len(got) :]), source, chain)
         if more:
@@ -257,8 +257,9 @@ class Loader:
         return blocks
 
     def _probe(
-        self, run: Run, start: int, source: Source, rate: Throughput, charges: list[Charge], chain: frozenset[str]
-    ) -> tuple[list[CacheBlock], bool]:
+        self, run: Run, start: int, source: Source, rate: Throughput, charges: list[Charge], chain: frozenset[str],
+        loading: Loading,
+    ) -> tuple[list[CacheBlock], bool]:  # fmt: skip
         """A stale tier timed on a part of `run` (from block `start`) first: up to an eighth, in groups of
         1, 2, 4 ... blocks within `PROBE_SHARE` of recomputing the run; the rest judged again on what it
         showed (`decide.verdict`). The blocks got, and whether the rest was restored too."""
@@ -290,6 +291,7 @@ class Loader:
         self.costs.log_verdict(len(rest) * size, at, rate, verdict)
         if not verdict.restore:
             self._skipped(rate)
+            loading.probed_slower = True
             return got, False
         more, seconds = self.reads.fetch(rest, source, chain)
         if more:

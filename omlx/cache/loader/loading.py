@@ -35,6 +35,7 @@ class Loading:
     # chain order, and whether a stateful chain lost its last block's state
     parts: list[tuple[Tier, int, int]] = field(default_factory=list)
     lost_state: bool = False
+    probed_slower: bool = False  # a probe of a tier showed the rest of its run slower than recomputing
     report: Any = None  # `why.CacheReport`, left by `cache_for`
 
     @property

@@ -32,14 +32,15 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the loader made of the plan: tokens restored per part in chain order (`parts`: tier, tokens,
-    bytes), `unfit` tokens before the engine's grid fit, whether its read-ahead was `cut` and whether a
-    stateful chain lost its last block's state (`no_state`)."""
+    """What the loader made of the plan: (tier, tokens, bytes) per block in chain order, `unfit` tokens before
+    the engine's grid fit, and why a run stopped short: its read-ahead `cut`, a stateful chain's last state
+    gone (`no_state`), a tier's probe that showed the rest slower (`probed_slower`)."""
 
     parts: tuple[tuple[Tier, int, int], ...] = ()
     unfit: int = 0
     cut: bool = False
     no_state: bool = False
+    probed_slower: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class CacheReport:
 def outcome(loading: Any) -> Outcome:
     """What a `Loading` (carried out by `cache_for`) made of its plan."""
     parts = tuple(loading.parts)
-    return Outcome(parts, sum(p[1] for p in parts), loading.cut, loading.lost_state)
+    return Outcome(parts, sum(p[1] for p in parts), loading.cut, loading.lost_state, loading.probed_slower)
 
 
 def shares(parts: tuple[tuple[Tier, int, int], ...], cached: int) -> dict[str, TierShare]:
@@ -179,6 +180,8 @@ def _short(outcome: Outcome, got: int, planned: int, report: Any) -> CacheReport
     """Why fewer tokens were restored than planned."""
     if outcome.cut:
         return report(Reason.SLOWER, got, f"the SSD read-ahead ran slower than recomputing and was cut short after {got} tokens")
+    if outcome.probed_slower:
+        return report(Reason.SLOWER, got, "a tier timed on part of its run showed the rest slower than recomputing")
     if outcome.no_state:
         return report(Reason.NO_STATE, got, "no tier held the layer state of the prefix's last block any more")
     if outcome.unfit > got:
