@@ -43,8 +43,6 @@ def explain_on_engine(engine: Any, tokens: list[int]) -> dict[str, Any]:
 
 async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody) -> list[int]:
     """The tokens the request would send to the engine (its messages rendered, or its prompt)."""
-    if (body.messages is None) == (body.prompt is None):
-        raise InvalidRequestError("Give exactly one of messages or prompt.", param="messages")
     if body.messages is not None:
         tools = openai_tools(body.tools)
         turn = ChatTurn(

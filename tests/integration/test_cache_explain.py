@@ -15,6 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from omlx.cache.plan.why import Reason
 from omlx.platform_info import discrete_gpu
 from tests.support.server import ServerProcess
 
@@ -106,7 +107,7 @@ def test_a_changed_history_is_a_divergence_at_the_first_differing_token(server: 
     assert 0 < report["at"] == report["cached_tokens"] < report["prompt_tokens"] - 1
 
 
-def test_the_anthropic_sdk_and_a_stream_carry_the_field(server: ServerProcess) -> None:
+def test_the_anthropic_sdk_a_stream_and_the_responses_api_carry_the_field(server: ServerProcess) -> None:
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused")
     user = "an anthropic question"
     first = client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, messages=[{"role": "user", "content": user}])
@@ -120,6 +121,9 @@ def test_the_anthropic_sdk_and_a_stream_carry_the_field(server: ServerProcess) -
     ))  # fmt: skip
     usage = chunks[-1].usage
     assert omlx_of(usage)["cached_tokens"] == usage.prompt_tokens_details.cached_tokens > 0
+    response = oai.responses.create(model=MODEL, instructions=SYSTEM, input=user, max_output_tokens=4, temperature=0)
+    assert omlx_of(response.usage)["cached_tokens"] == response.usage.input_tokens_details.cached_tokens
+    assert omlx_of(response.usage)["reason"] in {r.value for r in Reason}
 
 
 def test_blocks_pushed_out_of_every_tier_are_evicted(server: ServerProcess) -> None:

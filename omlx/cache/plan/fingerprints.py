@@ -43,15 +43,18 @@ class FingerprintBook:
                 seen.remove(entry)
             seen.append(entry)
             del seen[:-PER_MODEL]
-            text = json.dumps(self._models)
-        if self.path is not None:
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.write_text(text)
-                os.replace(tmp, self.path)
-            except OSError as exc:
-                log.warning("could not save %s: %s", self.path, exc)
+            if self.path is not None:  # under the lock: engines loading at once share the temporary file
+                self._save(json.dumps(self._models))
+
+    def _save(self, text: str) -> None:
+        assert self.path is not None
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a full or read-only disk: only the reason for a miss is lost
+            log.warning("could not save %s: %s", self.path, exc)
 
     def others(self, model_id: str, fingerprint: str) -> list[tuple[str, int]]:
         """`model_id`'s other builds (fingerprint, block size), newest first."""

@@ -5,6 +5,7 @@ functions, no MLX, no I/O; the reasons and their limits: docs/design/cache-expla
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +177,7 @@ def explain(plan: RestorePlan, outcome: Outcome | None = None, cached: int | Non
     return report(Reason.NO_PREFIX, n + used, f"nothing cached goes on from token {n + used}: new tokens")
 
 
-def _short(outcome: Outcome, got: int, planned: int, report: Any) -> CacheReport:
+def _short(outcome: Outcome, got: int, planned: int, report: Callable[[Reason, int, str], CacheReport]) -> CacheReport:
     """Why fewer tokens were restored than planned."""
     if outcome.cut:
         return report(Reason.SLOWER, got, f"the SSD read-ahead ran slower than recomputing and was cut short after {got} tokens")
