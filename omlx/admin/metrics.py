@@ -75,15 +75,16 @@ class ModelSeries:
     histograms: dict[str, Histogram] = field(
         default_factory=lambda: {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
     )
-    restored: dict[str, list[int]] = field(default_factory=dict)  # tier -> [tokens, bytes] restored from it
+    restored: dict[str, list[float]] = field(default_factory=dict)  # tier -> [tokens, bytes, seconds] restored
     computed: dict[str, list[int]] = field(default_factory=dict)  # why not restored -> [requests, tokens]
 
     def add_cache(self, report: Any) -> None:
-        """One request's `CacheReport`: tokens and bytes per tier, its prompt's computed tokens by reason."""
+        """One request's `CacheReport`: tokens, bytes and seconds per tier, its computed tokens by reason."""
         for tier, share in report.tiers.items():
-            entry = self.restored.setdefault(tier, [0, 0])
+            entry = self.restored.setdefault(tier, [0, 0, 0.0])
             entry[0] += share.tokens
             entry[1] += share.bytes or 0
+            entry[2] += share.seconds or 0.0
         entry = self.computed.setdefault(report.reason.value, [0, 0])
         entry[0] += 1
         entry[1] += report.computed

@@ -75,22 +75,26 @@ def request_families(metrics: RequestMetrics) -> Iterator[Metric]:
 
 
 def restore_families(series: dict[str, Any]) -> Iterator[Metric]:
-    """Per model: prompt tokens and bytes restored from each tier, and requests and computed prompt tokens
-    by why they were not restored (`why.Reason`: docs/design/cache-explain.md)."""
+    """Per model: prompt tokens, bytes and seconds restored from each tier, and requests and computed prompt
+    tokens by why they were not restored (`why.Reason`: docs/design/cache-explain.md)."""
     tokens = _counter("omlx_prefix_cache_restored_tokens", "Prompt tokens restored, by tier.", ["model", "tier"])
     nbytes = _counter("omlx_prefix_cache_restored_bytes", "Bytes of cached blocks restored, by tier.", ["model", "tier"])
+    seconds = _counter("omlx_prefix_cache_restore_seconds", "Seconds restores from RAM and the SSD took, by tier.",
+                       ["model", "tier"])
     requests = _counter("omlx_prefix_cache_requests", "Requests, by why their prompt was not restored further.",
                         ["model", "reason"])
     computed = _counter("omlx_prefix_cache_computed_tokens", "Prompt tokens computed, by why they were not restored.",
                         ["model", "reason"])
     for model, s in sorted(series.items()):
-        for tier, (n, b) in sorted(s.restored.items()):
+        for tier, (n, b, t) in sorted(s.restored.items()):
             tokens.add_metric([model, tier], n)
             nbytes.add_metric([model, tier], b)
+            if tier != "hot":  # device memory's blocks are used where they are: no restore to time
+                seconds.add_metric([model, tier], t)
         for reason, (count, n) in sorted(s.computed.items()):
             requests.add_metric([model, reason], count)
             computed.add_metric([model, reason], n)
-    yield from (tokens, nbytes, requests, computed)
+    yield from (tokens, nbytes, seconds, requests, computed)
 
 
 def pool_families(pool: Any, device_memory: dict[str, int]) -> Iterator[Metric]:

@@ -159,3 +159,4 @@ def test_where_the_ssd_is_the_faster_path_it_restores_the_whole_run(
     assert cache.tiers.stats()["skipped_restores"] == 0
     report = server.reports["a"]
     assert report["tiers"]["ssd"]["tokens"] + report["tiers"].get("hot", {}).get("tokens", 0) == cached
+    assert report["tiers"]["ssd"]["seconds"] > 0 and report["tiers"]["ssd"]["bytes"] > 0

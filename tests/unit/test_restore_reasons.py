@@ -109,9 +109,9 @@ def test_a_restore_that_fell_short_of_its_plan_says_why() -> None:
     keys = block_keys(FP, prompt, B)
     plan = plan_for(View(device=set(keys[:2]), ssd=set(keys[2:4])), prompt, measured())
     parts = ((Tier.DEVICE, B, BLOCK), (Tier.DEVICE, B, BLOCK), (Tier.SSD, B, BLOCK))
-    cut = why.explain(plan, Outcome(parts, 3 * B, cut=True), 3 * B)
+    cut = why.explain(plan, Outcome(parts, 3 * B, cut=True, seconds=((Tier.SSD, 0.5),)), 3 * B)
     assert (cut.reason, cut.at) == (Reason.SLOWER, 3 * B) and "cut short" in cut.detail
-    assert cut.tiers == {"hot": why.TierShare(2 * B, 2 * BLOCK), "ssd": why.TierShare(B, BLOCK)}
+    assert cut.tiers == {"hot": why.TierShare(2 * B, 2 * BLOCK), "ssd": why.TierShare(B, BLOCK, 0.5)}
     assert why.explain(plan, Outcome(parts, 3 * B, no_state=True), 3 * B).reason is Reason.NO_STATE
     assert why.explain(plan, Outcome(parts, 3 * B, probed_slower=True), 3 * B).reason is Reason.SLOWER
     assert why.explain(plan, Outcome(parts, 3 * B), 3 * B).reason is Reason.GONE
@@ -127,10 +127,11 @@ def test_a_model_without_the_cache_is_disabled() -> None:
 
 
 def test_the_report_as_json_and_as_log_fields() -> None:
-    report = why.CacheReport(100, 60, {"hot": why.TierShare(40, 400), "ssd": why.TierShare(20, 200)}, Reason.EVICTED, 60, "x")
+    tiers = {"hot": why.TierShare(40, 400), "ssd": why.TierShare(20, 200, 0.25)}
+    report = why.CacheReport(100, 60, tiers, Reason.EVICTED, 60, "x")
     assert report.to_dict() == {
         "cached_tokens": 60, "computed_tokens": 40, "reason": "evicted", "at": 60, "detail": "x",
-        "tiers": {"hot": {"tokens": 40, "bytes": 400}, "ssd": {"tokens": 20, "bytes": 200}},
+        "tiers": {"hot": {"tokens": 40, "bytes": 400, "seconds": None}, "ssd": {"tokens": 20, "bytes": 200, "seconds": 0.25}},
     }  # fmt: skip
     assert report.log_fields() == "restored=hot:40,ssd:20 computed=40:evicted@60"
     assert why.CacheReport(5, 0).log_fields() == "restored=- computed=5:none@0"
@@ -176,3 +177,23 @@ def test_the_reasons_import_no_mlx() -> None:
             " print([m for m in sys.modules if m.startswith('mlx')])")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_metrics_add_up_each_requests_report_by_tier_and_reason() -> None:
+    from omlx.admin.metrics import RequestMetrics
+    from omlx.server.prometheus import restore_families
+
+    metrics = RequestMetrics()
+    hit = why.CacheReport(300, 299, {"hot": why.TierShare(200, 2000), "ssd": why.TierShare(99, 990, 0.5)})
+    miss = why.CacheReport(100, 0, {}, Reason.NO_PREFIX)
+    for report in (hit, hit, miss):
+        metrics.record("m", {"request_id": "chatcmpl-1", "finish_reason": "stop", "prompt_tokens": report.prompt_tokens,
+                             "cached_tokens": report.cached, "completion_tokens": 1, "cache": report})  # fmt: skip
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in restore_families(metrics.series()) for s in family.samples}  # fmt: skip
+    assert samples[("omlx_prefix_cache_restored_tokens_total", (("model", "m"), ("tier", "ssd")))] == 198
+    assert samples[("omlx_prefix_cache_restored_bytes_total", (("model", "m"), ("tier", "hot")))] == 4000
+    assert samples[("omlx_prefix_cache_restore_seconds_total", (("model", "m"), ("tier", "ssd")))] == 1.0
+    assert ("omlx_prefix_cache_restore_seconds_total", (("model", "m"), ("tier", "hot"))) not in samples
+    assert samples[("omlx_prefix_cache_requests_total", (("model", "m"), ("reason", "none")))] == 2
+    assert samples[("omlx_prefix_cache_computed_tokens_total", (("model", "m"), ("reason", "no_prefix")))] == 100

@@ -175,7 +175,7 @@ class Loader:
         self.tiers.touch_chain([block.key for block, _ in parts])
         caches = join_blocks(parts, self.num_layers) if self.kinds is None else layer_states.restore(self.kinds, parts)
         if charges:
-            self._charge(caches, charges, held)
+            loading.seconds = self._charge(caches, charges, held)
         return caches, sum(used for _, used in parts)
 
     def _take_reads(self, loading: Loading) -> tuple[dict[str, HostBlock], float]:
@@ -322,14 +322,19 @@ class Loader:
                 return [(block, tail.tokens)]
         return []
 
-    def _charge(self, caches: list[Any], charges: list[Charge], held: int) -> None:
+    def _charge(self, caches: list[Any], charges: list[Charge], held: int) -> dict[Tier, float]:
         """The model's cache built from restored blocks is where their cost ends (on a CUDA GPU the first
         device use of host-written memory migrates it): that time goes into each tier's restore time,
-        shared by bytes; `held` bytes from device memory take their share unbilled."""
+        shared by bytes; `held` bytes from device memory take their share unbilled. The seconds per tier."""
         tic = time.perf_counter()
         mx.eval([c.state for c in caches])
         extra = time.perf_counter() - tic
         total = max(1, held + sum(c.nbytes for c in charges))  # a KV-only run of recurrent layers alone reads none
+        spent: dict[Tier, float] = {}
         for c in charges:
-            c.rate.observe(c.nbytes, c.seconds + extra * c.nbytes / total)
+            seconds = c.seconds + extra * c.nbytes / total
+            c.rate.observe(c.nbytes, seconds)
+            tier = Tier.SSD if c.rate is self.costs.ssd_rate else Tier.RAM
+            spent[tier] = spent.get(tier, 0.0) + seconds
         self.save_costs(True)
+        return spent

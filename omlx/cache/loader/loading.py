@@ -36,6 +36,7 @@ class Loading:
     parts: list[tuple[Tier, int, int]] = field(default_factory=list)
     lost_state: bool = False
     probed_slower: bool = False  # a probe of a tier showed the rest of its run slower than recomputing
+    seconds: dict[Tier, float] = field(default_factory=dict)  # the restore's time per slower tier (RAM, SSD)
     report: Any = None  # `why.CacheReport`, left by `cache_for`
 
     @property

@@ -34,20 +34,22 @@ class Reason(enum.Enum):
 @dataclass(frozen=True)
 class Outcome:
     """What the loader made of the plan: (tier, tokens, bytes) per block in chain order, `unfit` tokens before
-    the engine's grid fit, and why a run stopped short: its read-ahead `cut`, a stateful chain's last state
-    gone (`no_state`), a tier's probe that showed the rest slower (`probed_slower`)."""
+    the grid fit, why a run stopped short (read-ahead `cut`, a last state gone: `no_state`, a probe showing
+    the rest slower: `probed_slower`), and the seconds each slower tier's restore took."""
 
     parts: tuple[tuple[Tier, int, int], ...] = ()
     unfit: int = 0
     cut: bool = False
     no_state: bool = False
     probed_slower: bool = False
+    seconds: tuple[tuple[Tier, float], ...] = ()  # restore seconds per slower tier, as the loader timed them
 
 
 @dataclass(frozen=True)
 class TierShare:
     tokens: int = 0
     bytes: int | None = None  # None: not read (a plan not carried out)
+    seconds: float | None = None  # the restore's time from a RAM or SSD tier (None: device memory, or not read)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,10 @@ class CacheReport:
         return {
             "cached_tokens": self.cached,
             "computed_tokens": self.computed,
-            "tiers": {t: {"tokens": s.tokens, "bytes": s.bytes} for t, s in self.tiers.items()},
+            "tiers": {
+                t: {"tokens": s.tokens, "bytes": s.bytes, "seconds": None if s.seconds is None else round(s.seconds, 6)}
+                for t, s in self.tiers.items()
+            },
             "reason": self.reason.value,
             "at": self.at,
             "detail": self.detail,
@@ -86,12 +91,15 @@ class CacheReport:
 def outcome(loading: Any) -> Outcome:
     """What a `Loading` (carried out by `cache_for`) made of its plan."""
     parts = tuple(loading.parts)
-    return Outcome(parts, sum(p[1] for p in parts), loading.cut, loading.lost_state, loading.probed_slower)
+    seconds = tuple(loading.seconds.items())
+    return Outcome(parts, sum(p[1] for p in parts), loading.cut, loading.lost_state, loading.probed_slower, seconds)
 
 
-def shares(parts: tuple[tuple[Tier, int, int], ...], cached: int) -> dict[str, TierShare]:
+def shares(
+    parts: tuple[tuple[Tier, int, int], ...], cached: int, seconds: tuple[tuple[Tier, float], ...] = ()
+) -> dict[str, TierShare]:
     """Tokens and bytes per tier of the first `cached` tokens of `parts` (a part cut short by the grid
-    fit counts its bytes whole: they were read)."""
+    fit counts its bytes whole: they were read), with the `seconds` each tier's restore took."""
     out: dict[str, list[int]] = {}
     left = cached
     for tier, tokens, nbytes in parts:
@@ -101,7 +109,8 @@ def shares(parts: tuple[tuple[Tier, int, int], ...], cached: int) -> dict[str, T
         entry[0] += min(tokens, left)
         entry[1] += nbytes
         left -= tokens
-    return {t: TierShare(n, b) for t, (n, b) in out.items()}
+    spent = {TIER_NAMES[tier]: s for tier, s in seconds}
+    return {t: TierShare(n, b, spent.get(t)) for t, (n, b) in out.items()}
 
 
 def planned_shares(plan: RestorePlan) -> dict[str, TierShare]:
@@ -125,7 +134,7 @@ def explain(plan: RestorePlan, outcome: Outcome | None = None, cached: int | Non
         return CacheReport(total, 0, {}, Reason.DISABLED, 0, "this model is served without the prefix cache")
     planned = min(plan.tokens, max(0, total - 1))
     got = planned if cached is None else cached
-    tiers = planned_shares(plan) if outcome is None else shares(outcome.parts, got)
+    tiers = planned_shares(plan) if outcome is None else shares(outcome.parts, got, outcome.seconds)
 
     def report(reason: Reason, at: int, detail: str) -> CacheReport:
         return CacheReport(total, got, tiers, reason, at, detail)
