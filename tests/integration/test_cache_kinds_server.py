@@ -132,7 +132,7 @@ def test_two_sessions_share_their_system_prompt(cached, uncached, model) -> None
     # the first session's block goes on past the shared tokens (inside a block, for these prompts), but its
     # layers' state is only at that block's end; the --no-cache server says it has no cache
     why = second["why"]
-    assert (why["reason"], why["at"], why["tiers"]["hot"]["tokens"]) == ("no_state", second["cached"], second["cached"]), why
+    assert (why["reason"], why["cached_tokens"], why["tiers"]["hot"]["tokens"]) == ("no_state", second["cached"], second["cached"])
     assert reference["why"]["reason"] == "disabled"
 
 

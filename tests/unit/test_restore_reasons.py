@@ -28,7 +28,7 @@ def reason_of(view: View, prompt: list[int], **kw) -> why.CacheReport:
 def test_a_new_prompt_has_no_prefix_and_a_whole_hit_computes_only_its_last_token() -> None:
     prompt = tokens(3, extra=5)
     fresh = reason_of(View(), prompt)
-    assert (fresh.reason, fresh.cached, fresh.at, fresh.tiers) == (Reason.NO_PREFIX, 0, 0, {})
+    assert (fresh.reason, fresh.cached, fresh.tiers) == (Reason.NO_PREFIX, 0, {})
     keys = block_keys(FP, prompt, B)
     tail = chain_key(FP, keys[2], prompt[3 * B : 3 * B + 4])
     hit = reason_of(View(device=set(keys[:3]) | {tail}), prompt)
@@ -42,7 +42,7 @@ def test_tokens_per_tier_follow_the_plan_runs() -> None:
     view = View(device={keys[0]}, ram={keys[1]: BLOCK}, ssd={keys[2]})
     report = reason_of(view, prompt)
     assert report.tiers == {"hot": why.TierShare(B), "ram": why.TierShare(B), "ssd": why.TierShare(B)}
-    assert (report.reason, report.at) == (Reason.NO_PREFIX, 3 * B)
+    assert (report.reason, report.cached) == (Reason.NO_PREFIX, 3 * B)
 
 
 def test_a_run_judged_slower_is_the_reason_with_its_numbers() -> None:
@@ -51,7 +51,7 @@ def test_a_run_judged_slower_is_the_reason_with_its_numbers() -> None:
     view = View(device={keys[0]}, ram={k: BLOCK for k in keys[1:]})
     plan = plan_for(view, prompt, measured(recompute_s=1e-9, copy=1e6, move=1e6))
     report = why.explain(plan)
-    assert (report.reason, report.at, report.cached) == (Reason.SLOWER, B, B)
+    assert (report.reason, report.cached) == (Reason.SLOWER, B)
     assert "ram" in report.detail and "judged slower" in report.detail
 
 
@@ -59,7 +59,7 @@ def test_a_block_let_go_is_evicted_not_absent() -> None:
     prompt = tokens(3, extra=2)
     keys = block_keys(FP, prompt, B)
     report = reason_of(View(device={keys[0]}, gone={keys[1]}), prompt)
-    assert (report.reason, report.at, report.cached) == (Reason.EVICTED, B, B)
+    assert (report.reason, report.cached) == (Reason.EVICTED, B)
     assert reason_of(View(device={keys[0]}), prompt).reason is Reason.NO_PREFIX
 
 
@@ -70,10 +70,10 @@ def test_a_cached_prompt_that_goes_on_differently_is_a_divergence() -> None:
     other = chain_key(FP, keys[0], prompt[B : B + 6] + [999, 998])  # shares 6 tokens, then differs
     index.remember(keys[0], other, prompt[B : B + 6] + [999, 998])
     report = reason_of(View(device={keys[0], other}), prompt, tails=index)
-    assert (report.reason, report.cached, report.at) == (Reason.DIVERGED, B + 6, B + 6)
+    assert (report.reason, report.cached) == (Reason.DIVERGED, B + 6) and f"from token {B + 6}" in report.detail
     # the same continuation let go: the shared tokens were cached and evicted
     gone = reason_of(View(device={keys[0]}), prompt, tails=index)
-    assert (gone.reason, gone.cached, gone.at) == (Reason.EVICTED, B, B)
+    assert (gone.reason, gone.cached) == (Reason.EVICTED, B)
 
 
 def test_a_stateful_model_without_a_state_where_the_tokens_differ() -> None:
@@ -83,7 +83,7 @@ def test_a_stateful_model_without_a_state_where_the_tokens_differ() -> None:
     other = chain_key(FP, keys[0], prompt[B : B + 6] + [999, 998])
     index.remember(keys[0], other, prompt[B : B + 6] + [999, 998])
     report = reason_of(View(device={keys[0], other}), prompt, tails=index, whole_tails=True, kv_only=True)
-    assert (report.reason, report.cached, report.at) == (Reason.NO_STATE, B, B)
+    assert (report.reason, report.cached) == (Reason.NO_STATE, B)
     assert str(B + 8) in report.detail  # where that block's state is
 
 
@@ -93,7 +93,7 @@ def test_a_few_shared_tokens_alone_are_below_the_grain() -> None:
     other = chain_key(FP, None, prompt[:9] + [999])
     index.remember(None, other, prompt[:9] + [999])  # 9 tokens: under MIN_TAIL_ONLY_TOKENS
     report = reason_of(View(device={other}), prompt, tails=index)
-    assert (report.reason, report.cached, report.at) == (Reason.GRAIN, 0, 0)
+    assert (report.reason, report.cached) == (Reason.GRAIN, 0)
 
 
 def test_blocks_of_another_build_of_the_model_are_a_changed_fingerprint() -> None:
@@ -110,7 +110,7 @@ def test_a_restore_that_fell_short_of_its_plan_says_why() -> None:
     plan = plan_for(View(device=set(keys[:2]), ssd=set(keys[2:4])), prompt, measured())
     parts = ((Tier.DEVICE, B, BLOCK), (Tier.DEVICE, B, BLOCK), (Tier.SSD, B, BLOCK))
     cut = why.explain(plan, Outcome(parts, 3 * B, cut=True, seconds=((Tier.SSD, 0.5),)), 3 * B)
-    assert (cut.reason, cut.at) == (Reason.SLOWER, 3 * B) and "cut short" in cut.detail
+    assert (cut.reason, cut.cached) == (Reason.SLOWER, 3 * B) and "cut short" in cut.detail
     assert cut.tiers == {"hot": why.TierShare(2 * B, 2 * BLOCK), "ssd": why.TierShare(B, BLOCK, 0.5)}
     assert why.explain(plan, Outcome(parts, 3 * B, no_state=True), 3 * B).reason is Reason.NO_STATE
     assert why.explain(plan, Outcome(parts, 3 * B, probed_slower=True), 3 * B).reason is Reason.SLOWER
@@ -128,13 +128,13 @@ def test_a_model_without_the_cache_is_disabled() -> None:
 
 def test_the_report_as_json_and_as_log_fields() -> None:
     tiers = {"hot": why.TierShare(40, 400), "ssd": why.TierShare(20, 200, 0.25)}
-    report = why.CacheReport(100, 60, tiers, Reason.EVICTED, 60, "x")
+    report = why.CacheReport(100, 60, tiers, Reason.EVICTED, "x")
     assert report.to_dict() == {
-        "cached_tokens": 60, "computed_tokens": 40, "reason": "evicted", "at": 60, "detail": "x",
+        "cached_tokens": 60, "computed_tokens": 40, "reason": "evicted", "detail": "x",
         "tiers": {"hot": {"tokens": 40, "bytes": 400, "seconds": None}, "ssd": {"tokens": 20, "bytes": 200, "seconds": 0.25}},
     }  # fmt: skip
-    assert report.log_fields() == "restored=hot:40,ssd:20 computed=40:evicted@60"
-    assert why.CacheReport(5, 0).log_fields() == "restored=- computed=5:none@0"
+    assert report.log_fields() == "restored=hot:40,ssd:20 computed=40:evicted"
+    assert why.CacheReport(5, 0).log_fields() == "restored=- computed=5:none"
 
 
 def test_the_directory_remembers_keys_let_go_within_a_bound() -> None:

@@ -16,7 +16,7 @@ TIER_NAMES = {Tier.DEVICE: "hot", Tier.RAM: "ram", Tier.SSD: "ssd"}
 
 
 class Reason(enum.Enum):
-    """Why the tokens after the restored prefix were computed (the first cause, at token `at`)."""
+    """Why the tokens after the restored prefix were computed (the first cause, where the restore ends)."""
 
     NONE = "none"  # all was restored but the tokens a prefill must compute (the last one)
     DISABLED = "disabled"  # this model is served without the prefix cache
@@ -55,13 +55,12 @@ class TierShare:
 @dataclass(frozen=True)
 class CacheReport:
     """One prompt's restore: `cached` of `prompt_tokens` tokens restored, by tier (`tiers`), the rest
-    computed for `reason` from token `at` on (`detail`: a sentence with the numbers)."""
+    computed for `reason` (`detail`: a sentence with the numbers)."""
 
     prompt_tokens: int
     cached: int
     tiers: dict[str, TierShare] = field(default_factory=dict)
     reason: Reason = Reason.NONE
-    at: int = 0
     detail: str = ""
 
     @property
@@ -78,14 +77,13 @@ class CacheReport:
                 for t, s in self.tiers.items()
             },
             "reason": self.reason.value,
-            "at": self.at,
             "detail": self.detail,
         }
 
     def log_fields(self) -> str:
-        """`restored=hot:512,ssd:256 computed=300:evicted@768` for the request's log line."""
+        """`restored=hot:512,ssd:256 computed=300:evicted` for the request's log line."""
         tiers = ",".join(f"{t}:{s.tokens}" for t, s in self.tiers.items() if s.tokens) or "-"
-        return f"restored={tiers} computed={self.computed}:{self.reason.value}@{self.at}"
+        return f"restored={tiers} computed={self.computed}:{self.reason.value}"
 
 
 def outcome(loading: Any) -> Outcome:
@@ -131,23 +129,23 @@ def explain(plan: RestorePlan, outcome: Outcome | None = None, cached: int | Non
     as it would be. The reason is the first cause at the end of what was restored."""
     total, facts = plan.prompt_tokens, plan.facts
     if plan.block_size <= 0:
-        return CacheReport(total, 0, {}, Reason.DISABLED, 0, "this model is served without the prefix cache")
+        return CacheReport(total, 0, {}, Reason.DISABLED, "this model is served without the prefix cache")
     planned = min(plan.tokens, max(0, total - 1))
     got = planned if cached is None else cached
     tiers = planned_shares(plan) if outcome is None else shares(outcome.parts, got, outcome.seconds)
 
-    def report(reason: Reason, at: int, detail: str) -> CacheReport:
-        return CacheReport(total, got, tiers, reason, at, detail)
+    def report(reason: Reason, detail: str) -> CacheReport:
+        return CacheReport(total, got, tiers, reason, detail)
 
     if got >= total - 1:
-        return report(Reason.NONE, got, "all but the last token restored: a prefill computes at least one")
+        return report(Reason.NONE, "all but the last token restored: a prefill computes at least one")
     if outcome is not None and got < planned:
         return _short(outcome, got, planned, report)
     skipped = next((run for run in plan.runs if not run.verdict.restore), None)
     if skipped is not None:
         v = skipped.verdict
         return report(
-            Reason.SLOWER, skipped.first * plan.block_size,
+            Reason.SLOWER,
             f"{skipped.blocks * plan.block_size} tokens in {TIER_NAMES[skipped.tier]}: restoring them was judged slower "
             f"({_s(v.restore_s)}) than recomputing them ({_s(v.recompute_s)})",
         )  # fmt: skip
@@ -155,48 +153,47 @@ def explain(plan: RestorePlan, outcome: Outcome | None = None, cached: int | Non
     used = plan.tails[0].tokens if plan.tails else 0
     if n == 0 and used == 0 and facts.other_build:
         return report(
-            Reason.FINGERPRINT, 0,
+            Reason.FINGERPRINT,
             "the prompt's first block is cached for another build of this model (weights, dtype, KV format "
             "or block size changed): those blocks can never be served",
         )  # fmt: skip
     shared = min(facts.shared, total - 1 - n)
     if shared > used:
-        at = n + used
         if not facts.shared_held:
-            return report(Reason.EVICTED, at, f"a cached block shared tokens up to {n + shared}, and was let go for room")
+            return report(Reason.EVICTED, f"a cached block shared tokens up to {n + shared}, and was let go for room")
         if plan.kv_only:
             return report(
-                Reason.NO_STATE, at,
+                Reason.NO_STATE,
                 f"cached tokens go on to {n + shared}, but this model's window or recurrent layers keep a state only "
                 f"at a stored block's end ({n + facts.shared_len})",
             )  # fmt: skip
         return report(
-            Reason.GRAIN, at,
+            Reason.GRAIN,
             f"cached tokens go on to {n + shared} inside a block, fewer than a restore uses there "
             "(the prefill grid, or a partial block alone under its minimum)",
         )  # fmt: skip
     if facts.next_evicted:
-        return report(Reason.EVICTED, n + used, f"the block at token {n} was cached and let go for room")
-    if facts.shared_len > shared and n + shared < total - 1:
+        return report(Reason.EVICTED, f"the block at token {n} was cached and let go for room")
+    if facts.shared_len > shared == used:  # the restore ends where a cached block parts from the prompt
         return report(
-            Reason.DIVERGED, n + shared,
+            Reason.DIVERGED,
             f"a cached prompt goes on from token {n + shared} with other tokens ({facts.shared_len - shared} of its "
             "block differ): the history differs from what was cached",
         )  # fmt: skip
-    return report(Reason.NO_PREFIX, n + used, f"nothing cached goes on from token {n + used}: new tokens")
+    return report(Reason.NO_PREFIX, f"nothing cached goes on from token {n + used}: new tokens")
 
 
-def _short(outcome: Outcome, got: int, planned: int, report: Callable[[Reason, int, str], CacheReport]) -> CacheReport:
+def _short(outcome: Outcome, got: int, planned: int, report: Callable[[Reason, str], CacheReport]) -> CacheReport:
     """Why fewer tokens were restored than planned."""
     if outcome.cut:
-        return report(Reason.SLOWER, got, f"the SSD read-ahead ran slower than recomputing and was cut short after {got} tokens")
+        return report(Reason.SLOWER, f"the SSD read-ahead ran slower than recomputing and was cut short after {got} tokens")
     if outcome.probed_slower:
-        return report(Reason.SLOWER, got, "a tier timed on part of its run showed the rest slower than recomputing")
+        return report(Reason.SLOWER, "a tier timed on part of its run showed the rest slower than recomputing")
     if outcome.no_state:
-        return report(Reason.NO_STATE, got, "no tier held the layer state of the prefix's last block any more")
+        return report(Reason.NO_STATE, "no tier held the layer state of the prefix's last block any more")
     if outcome.unfit > got:
-        return report(Reason.GRID, got, f"{outcome.unfit} tokens restored, cut back to {got} on the prefill grid")
-    return report(Reason.GONE, got, f"{planned} tokens planned; a block left every tier before it was restored")
+        return report(Reason.GRID, f"{outcome.unfit} tokens restored, cut back to {got} on the prefill grid")
+    return report(Reason.GONE, f"{planned} tokens planned; a block left every tier before it was restored")
 
 
 def _s(seconds: float | None) -> str:

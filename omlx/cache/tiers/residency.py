@@ -29,7 +29,7 @@ class Residency(enum.Flag):
 
 
 # Keys let go by every tier that the directory remembers (oldest forgotten first), so a miss can say
-# "evicted" rather than "never cached" (docs/design/cache-explain.md); ~200 bytes each.
+# "evicted" rather than "never cached" (docs/design/cache-explain.md).
 GONE_KEYS = 16_384
 
 ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.DEMOTING  # device memory holds it
