@@ -76,6 +76,17 @@ def test_a_cached_prompt_that_goes_on_differently_is_a_divergence() -> None:
     assert (gone.reason, gone.cached) == (Reason.EVICTED, B)
 
 
+def test_a_divergence_is_named_only_where_the_restore_ends() -> None:
+    prompt = tokens(1, extra=12)
+    keys = block_keys(FP, prompt, B)
+    exact = chain_key(FP, keys[0], prompt[B : B + 10])  # a tail found by its key (say, stored before a restart)
+    index = TailIndex()
+    other = chain_key(FP, keys[0], prompt[B : B + 4] + [999])
+    index.remember(keys[0], other, prompt[B : B + 4] + [999])  # parts from the prompt earlier than that
+    report = reason_of(View(device={keys[0], exact, other}), prompt, tails=index)
+    assert (report.reason, report.cached) == (Reason.NO_PREFIX, B + 10)
+
+
 def test_a_stateful_model_without_a_state_where_the_tokens_differ() -> None:
     prompt = tokens(1, extra=12)
     keys = block_keys(FP, prompt, B)
