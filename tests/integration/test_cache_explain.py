@@ -68,6 +68,16 @@ def scrape(server: ServerProcess) -> dict[tuple[str, tuple], float]:
     }
 
 
+def log_line(server: ServerProcess, request_id: str, timeout: float = 10.0) -> str:
+    deadline = time.time() + timeout
+    while True:
+        found = [line for line in server.log().splitlines() if f"request={request_id} " in line]
+        if found or time.time() > deadline:
+            assert found, f"no log line for {request_id}"
+            return found[0]
+        time.sleep(0.05)
+
+
 def test_explain_predicts_what_the_request_then_restores(server: ServerProcess) -> None:
     user = "the first question"
     before = explain(server, messages=messages(user)).json()
@@ -76,22 +86,26 @@ def test_explain_predicts_what_the_request_then_restores(server: ServerProcess) 
     assert omlx_of(first.usage) == {k: v for k, v in before.items() if k not in ("model", "prompt_tokens", "plan")}
     predicted = explain(server, messages=messages(user)).json()
     assert predicted["prompt_tokens"] == first.usage.prompt_tokens
-    assert predicted["reason"] == "none" and predicted["cached_tokens"] == first.usage.prompt_tokens - 1
     assert predicted["plan"]["runs"][0] == {**predicted["plan"]["runs"][0], "tier": "hot", "restore": True}
+    if not discrete_gpu():  # a CUDA GPU restores whole blocks only (the prefill grid): not all but one token
+        assert predicted["reason"] == "none" and predicted["cached_tokens"] == first.usage.prompt_tokens - 1
     metrics_before = scrape(server)
     again = chat(server, user)
     report = omlx_of(again.usage)
     cached = again.usage.prompt_tokens_details.cached_tokens
-    expected = predicted["cached_tokens"] - predicted["cached_tokens"] % BLOCK if discrete_gpu() else predicted["cached_tokens"]
-    assert cached == expected == report["cached_tokens"] and report["tiers"]["hot"]["tokens"] == cached
+    assert cached == predicted["cached_tokens"] == report["cached_tokens"] > 0
+    assert report["reason"] == predicted["reason"] and report["tiers"]["hot"]["tokens"] == cached
     assert report["tiers"]["hot"]["bytes"] > 0 and report["computed_tokens"] == again.usage.prompt_tokens - cached
-    # the log line says the same
-    line = next(line for line in server.log().splitlines() if f"request={again.id} " in line)
+    # the log line says the same (written on the engine thread just after the last event left it)
+    line = log_line(server, again.id)
     assert f"restored=hot:{cached} computed={again.usage.prompt_tokens - cached}:{report['reason']}" in line
-    # /metrics counted it, by tier and by reason
-    after = scrape(server)
+    # /metrics counted it, by tier and by reason (recorded right after the log line)
     tier = (("model", MODEL), ("tier", "hot"))
     reason = (("model", MODEL), ("reason", report["reason"]))
+    counted = ("omlx_prefix_cache_requests_total", reason)
+    deadline = time.time() + 10
+    while (after := scrape(server)).get(counted, 0) == metrics_before.get(counted, 0) and time.time() < deadline:
+        time.sleep(0.05)
     assert after[("omlx_prefix_cache_restored_tokens_total", tier)] - metrics_before.get(
         ("omlx_prefix_cache_restored_tokens_total", tier), 0) == cached  # fmt: skip
     assert after[("omlx_prefix_cache_restored_bytes_total", tier)] - metrics_before.get(
