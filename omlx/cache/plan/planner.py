@@ -1,6 +1,6 @@
-"""`match`: where a prompt's blocks lie (one walk of the tiers, no MLX) turned into a
-`RestorePlan`, its runs judged once against recomputing (`decide`), its tail found (`tails`).
-Why these rules: docs/design/restore-or-recompute.md, ram-moves.md."""
+"""`match`: where a prompt's blocks lie (one walk of the tiers, no MLX) turned into a `RestorePlan`, its
+runs judged once against recomputing (`decide`), its tail found (`tails`), the facts at its end read for
+its report (`miss_facts`). Why these rules: docs/design/restore-or-recompute.md, ram-moves.md."""
 
 from __future__ import annotations
 
