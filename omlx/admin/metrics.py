@@ -75,6 +75,19 @@ class ModelSeries:
     histograms: dict[str, Histogram] = field(
         default_factory=lambda: {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
     )
+    restored: dict[str, list[float]] = field(default_factory=dict)  # tier -> [tokens, bytes, seconds] restored
+    computed: dict[str, list[int]] = field(default_factory=dict)  # why not restored -> [requests, tokens]
+
+    def add_cache(self, report: Any) -> None:
+        """One request's `CacheReport`: tokens, bytes and seconds per tier, its computed tokens by reason."""
+        for tier, share in report.tiers.items():
+            entry = self.restored.setdefault(tier, [0, 0, 0.0])
+            entry[0] += share.tokens
+            entry[1] += share.bytes or 0
+            entry[2] += share.seconds or 0.0
+        entry = self.computed.setdefault(report.reason.value, [0, 0])
+        entry[0] += 1
+        entry[1] += report.computed
 
 
 class RequestMetrics:
@@ -120,6 +133,8 @@ class RequestMetrics:
             series.prompt_tokens += prompt
             series.cached_tokens += cached
             series.completion_tokens += completion
+            if result.get("cache") is not None:
+                series.add_cache(result["cache"])
             h = series.histograms
             if completion:  # a request that made no token had no first token
                 h["ttft"].add(ttft)
@@ -138,6 +153,7 @@ class RequestMetrics:
                 model: ModelSeries(
                     dict(s.finished), s.prompt_tokens, s.cached_tokens, s.completion_tokens,
                     {n: Histogram(h.bounds, list(h.counts), h.sum, h.count) for n, h in s.histograms.items()},
+                    {t: list(v) for t, v in s.restored.items()}, {r: list(v) for r, v in s.computed.items()},
                 )
                 for model, s in self._series.items()
             }

@@ -11,6 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 from omlx.cache.block.kinds import CacheKinds
 from omlx.cache.loader.loading import Loading
 from omlx.cache.plan.restore_plan import RestorePlan
+from omlx.cache.plan.why import explain
 
 # what the engine does to a restored (cache, tokens) before using it: cut it onto its prefill grid
 Fit = Callable[[list[Any] | None, int], tuple[list[Any] | None, int]]
@@ -75,7 +76,8 @@ class PrefixCacheInterface(Protocol):
 
     def cache_for(self, loading: Loading, fit: Fit | None = None) -> tuple[list[Any] | None, int]:
         """The model's cache for the plan (the rest restored in line) and its length, after `fit`; (None, 0)
-        when nothing is restored. Counts a request's prompt and its cached tokens (`plan.counted`)."""
+        when nothing is restored. Counts a request's prompt and its cached tokens (`plan.counted`) and
+        leaves `loading.report`: what came from which tier, and why not more (`why.explain`)."""
         ...
 
     def store(
@@ -135,6 +137,7 @@ class NoCache:
         return True
 
     def cache_for(self, loading: Loading, fit: Fit | None = None) -> tuple[list[Any] | None, int]:
+        loading.report = explain(loading.plan)
         return None, 0
 
     def store(

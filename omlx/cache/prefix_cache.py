@@ -18,6 +18,7 @@ from omlx.cache.loader.idle_probe import IdleProbe
 from omlx.cache.loader.loader import Loader
 from omlx.cache.loader.loading import Loading
 from omlx.cache.model_shapes import attention_ratio
+from omlx.cache.plan import why
 from omlx.cache.plan.cost_file import CostFile
 from omlx.cache.plan.planner import Planner
 from omlx.cache.plan.restore_model import RestoreModel
@@ -61,7 +62,10 @@ class PrefixCache:
             self.cost_file.load(self.costs)
         size = self.blocks.block_size
         tails = TailIndex()  # parent key -> children stored by this process, with their tokens
-        self.planner = Planner(tiers, fingerprint, size, kv_only=stateful, whole_tails=stateful, tails=tails)
+        self.planner = Planner(
+            tiers, fingerprint, size, kv_only=stateful, whole_tails=stateful, tails=tails,
+            others=lambda: tiers.fingerprints.others(model_id, fingerprint),
+        )  # fmt: skip
         self.write_back = WriteBack(tiers, fingerprint)
         self.loader = Loader(
             tiers, fingerprint, size, num_layers, kinds, self.costs, save_costs=self.save_costs,
@@ -72,6 +76,7 @@ class PrefixCache:
         if tiers.ssd is not None:
             tiers.follow(fingerprint, self.write_back.left_device)
         tiers.own(fingerprint)  # its engine copies its blocks device memory lets go to RAM
+        tiers.fingerprints.add(model_id, fingerprint, size)
 
     # ----- restore ---------------------------------------------------------------------
     def match(self, tokens: list[int], grid: int = 0, *, resumed: bool = False) -> RestorePlan:
@@ -87,6 +92,7 @@ class PrefixCache:
         cache, cached = self.loader.cache_for(loading)
         if fit is not None:
             cache, cached = fit(cache, cached)
+        loading.report = why.explain(loading.plan, why.outcome(loading), cached)
         if loading.plan.counted:
             self.tiers.counters.record(loading.plan.prompt_tokens, cached)
         return cache, cached

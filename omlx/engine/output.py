@@ -78,6 +78,7 @@ class Output:
         ev.completion_tokens = state.completion_tokens
         ev.first_token_time = state.first_token
         ev.stop_string = state.stops.matched if state.stops is not None else None
+        ev.cache = state.cache_report.to_dict() if state.cache_report is not None else None
         self.emit(state, ev)
         self.log_finished(state, reason)
 
@@ -89,9 +90,10 @@ class Output:
         tps = (state.completion_tokens - 1) / decode_s if decode_s > 0 and state.completion_tokens > 1 else 0.0
         log.info(
             "request=%s model=%s prompt=%d cached=%d completion=%d queue=%.3fs ttft=%.3fs restore=%.3fs "
-            "decode=%.1ftok/s finish=%s cache=%s",
+            "decode=%.1ftok/s finish=%s cache=%s%s",
             state.id, self.model_id, state.prompt_len, state.cached_tokens, state.completion_tokens, state.queued,
             ttft, state.prefill_start - state.start, tps, reason, "hit" if state.cached_tokens else "miss",
+            f" {report.log_fields()}" if (report := state.cache_report) is not None else "",
         )  # fmt: skip
         if self.on_finished is not None:
             self.on_finished(
@@ -107,5 +109,6 @@ class Output:
                     "decode_s": decode_s,
                     "e2e_s": now - state.start,
                     "decode_tps": tps,
+                    "cache": state.cache_report,
                 },
             )

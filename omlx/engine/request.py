@@ -98,6 +98,7 @@ class GenerationEvent:
     stop_string: str | None = None  # set when a stop string (not EOS) ended the output
     prompt_logprobs: list[TokenLogprob | None] | None = None
     first_token_time: float | None = None
+    cache: dict[str, Any] | None = None  # on the last event: the prompt's restore by tier and why (`CacheReport`)
 
     def merge(self, later: GenerationEvent) -> None:
         """Fold a later event of the same request into this one (a consumer that fell behind
@@ -116,3 +117,4 @@ class GenerationEvent:
             self.error_type = later.error_type
             self.stop_string = later.stop_string
             self.first_token_time = later.first_token_time
+            self.cache = later.cache

@@ -56,6 +56,7 @@ class RequestState:
     stops: Any = None  # StopStringMatcher
     prompt_len: int = 0
     cached_tokens: int = 0
+    cache_report: Any = None  # `why.CacheReport`: what its restore took from which tier, and why not more
     start: float = 0.0  # the engine took it (before its cached prefix was restored): TTFT counts from here
     prefill_start: float = 0.0  # after the restore: a prefill's time counts from here
     reserved: int = 0  # tokens of KV memory reserved at admission (`KvBudget.reservation`)

@@ -279,6 +279,7 @@ class Runner:
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
         looked = time.perf_counter()
         cache, cached = self.cache.cache_for(loading, lambda c, n: self._fit(c, n, state.plan, alone, step))
+        state.cache_report = loading.report
         own = self._owns_prefill(len(tokens) - cached, alone)
         if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
             now = time.perf_counter()

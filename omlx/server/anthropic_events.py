@@ -8,6 +8,7 @@ from typing import Any
 
 from omlx.api.tool_calls import Delta, ReasoningDelta, TextDelta, ToolCall
 from omlx.server.chat_pipeline import ChatFinal
+from omlx.server.generation import omlx_usage
 from omlx.server.sse import sse_event
 
 
@@ -21,12 +22,13 @@ def stop_reason(final: ChatFinal) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def usage(final: ChatFinal) -> dict[str, int]:
+def usage(final: ChatFinal) -> dict[str, Any]:
     return {
         "input_tokens": final.prompt_tokens - final.cached_tokens,
         "output_tokens": final.completion_tokens,
         "cache_read_input_tokens": final.cached_tokens,
         "cache_creation_input_tokens": 0,
+        **omlx_usage(final.cache),
     }
 
 

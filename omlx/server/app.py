@@ -36,6 +36,7 @@ from omlx.server.admin_routes import router as admin_router
 from omlx.server.anthropic_routes import router as anthropic_router
 from omlx.server.auth import require_admin, require_api_key
 from omlx.server.body_limits import BodyLimits
+from omlx.server.cache_explain import router as cache_explain_router
 from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
 from omlx.server.openai_chat import router as openai_chat_router
@@ -161,6 +162,7 @@ def create_app(settings: Settings) -> FastAPI:
         }
 
     app.include_router(admin_router, dependencies=[Depends(require_admin)])
+    app.include_router(cache_explain_router, dependencies=[Depends(require_admin)])
     app.include_router(openai_chat_router, dependencies=[Depends(require_api_key)])
     app.include_router(openai_router, dependencies=[Depends(require_api_key)])
     app.include_router(embedding_router, dependencies=[Depends(require_api_key)])

@@ -17,7 +17,7 @@ def tool_call_json(call: ToolCall) -> dict[str, Any]:
 
 
 def chat_usage(finals: list[ChatFinal]) -> dict[str, Any]:
-    return usage_dict(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens)
+    return usage_dict(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), finals[0].cached_tokens, finals[0].cache)
 
 
 class ChoiceState:

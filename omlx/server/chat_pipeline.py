@@ -90,6 +90,7 @@ class ChatFinal:
     cached_tokens: int
     completion_tokens: int
     warnings: list[OutputWarning] = field(default_factory=list)  # the request's, then the output's
+    cache: dict[str, Any] | None = None  # the prompt's restore by tier and why (usage's `omlx`)
 
 
 def _fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -165,6 +166,23 @@ def _prefill(engine: LLMEngine, template_kwargs: dict[str, Any]) -> str:
     return cache[key]
 
 
+async def render_prompt(
+    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, memory: TurnMemory | None = None
+) -> tuple[list[int], int, int]:
+    """The prompt tokens `turn` renders to with the model's chat template, its tools and the model's
+    template defaults (a thread: templates of long histories are slow), earlier assistant turns
+    this server generated rendered as generated (`memory`); with how many such turns were found
+    and how many of them the template rewrote. `prepare_chat` and `POST /api/cache/explain` both
+    render through here."""
+    tools = None if turn.tool_choice == "none" else (turn.tools or None)
+    native = bool(tools) and template_supports_tools(engine.tokenizer)
+    turn.template_kwargs = {**(resolved.defaults.chat_template_kwargs or {}), **turn.template_kwargs}
+    recalled = recall_turns(memory, engine.model_id, turn.messages)
+    prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
+    prompt, rewritten = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native, recalled, prefill)
+    return prompt, len(recalled), len(rewritten)
+
+
 async def prepare_chat(
     engine: LLMEngine, resolved: Resolved, turn: ChatTurn, default_max_tokens: int, memory: TurnMemory | None = None
 ) -> PreparedChat:
@@ -175,16 +193,13 @@ async def prepare_chat(
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(tokenizer)
     family = _family(engine) if native or not tools else "hermes"
-    turn.template_kwargs = {**(defaults.chat_template_kwargs or {}), **turn.template_kwargs}
     request_id = new_request_id(turn.id_prefix)
-    recalled = recall_turns(memory, engine.model_id, turn.messages)
-    prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
-    prompt, rewritten = await asyncio.to_thread(render_turn, tokenizer, turn, tools, native, recalled, prefill)
+    prompt, recalled, rewritten = await render_prompt(engine, resolved, turn, memory)
     if rewritten:
         log.info(
             "request=%s: the chat template rewrote %d of the %d earlier assistant turns sent back as generated "
             "(e.g. it drops past reasoning); the prompt differs from the previous one from the first of them on, "
-            "and the cache restores only what precedes it", request_id, len(rewritten), len(recalled),
+            "and the cache restores only what precedes it", request_id, rewritten, recalled,
         )  # fmt: skip
     think_start = getattr(tokenizer, "think_start", None) or "<think>"
     think_end = getattr(tokenizer, "think_end", None) or "</think>"
@@ -226,7 +241,9 @@ def final_from(ev: GenerationEvent, parser: OutputParser, prepared: PreparedChat
     if parser.tool_calls and reason in ("stop", "length"):
         reason = "tool_calls"
     warnings = [*(prepared.warnings if prepared else []), *parser.warnings]
-    return ChatFinal(reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, warnings)
+    return ChatFinal(
+        reason, ev.stop_string, ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens, warnings, ev.cache
+    )
 
 
 async def parsed_events(

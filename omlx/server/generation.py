@@ -163,10 +163,17 @@ def fan_out(base: GenerationRequest, n: int) -> list[GenerationRequest]:
     return out
 
 
-def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage_dict(prompt: int, completion: int, cached: int, cache: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        **omlx_usage(cache),
     }
+
+
+def omlx_usage(cache: dict[str, Any] | None) -> dict[str, Any]:
+    """The usage's extra `omlx` field: the prompt's restore by tier and why not more (`CacheReport.to_dict`;
+    docs/cache.md, "What a client sees"); none where the engine made no report."""
+    return {} if cache is None else {"omlx": {"cache": cache}}

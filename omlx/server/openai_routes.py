@@ -107,7 +107,7 @@ def default_max_tokens(request: Request, defaults: GenerationDefaults) -> int:
 def _usage(results: list[Collected]) -> dict[str, Any]:
     first = results[0]
     return usage_dict(
-        first.prompt_tokens, sum(r.completion_tokens for r in results), first.cached_tokens
+        first.prompt_tokens, sum(r.completion_tokens for r in results), first.cached_tokens, first.cache
     )
 
 
@@ -212,6 +212,7 @@ async def _completions(body: CompletionRequest, request: Request, engine: LLMEng
                 prompt_total,
                 sum(r.completion_tokens for r in results),
                 sum(r.cached_tokens for r in results[:: body.n]),
+                results[0].cache if len(prompts) == 1 else None,  # one prompt's restore (usage's `omlx`)
             ),
         }
     )
@@ -259,6 +260,7 @@ async def _completion_stream(
             sum(len(r.prompt_tokens) for r in requests),
             sum(f.completion_tokens for f in first_of_each),
             sum(f.cached_tokens for f in first_of_each),
+            finals[0].cache if all(r.prompt_tokens is requests[0].prompt_tokens for r in requests) else None,
         )
         yield chunk([], usage, True)
     yield "data: [DONE]\n\n"

@@ -85,6 +85,7 @@ INFERENCE = {
 EXTRA: dict[tuple[str, str], set[int]] = {
     **{route: {404, 429, 500, 503, 507} for route in INFERENCE},
     ("POST", "/v1/messages/count_tokens"): {404, 503, 507},
+    ("POST", "/api/cache/explain"): {404, 503, 507},
     ("POST", "/v1/models/{model_id:path}/load"): {503, 507},
     ("DELETE", "/api/models/{model_id:path}/files"): {409},
     ("POST", "/api/bench"): {404, 409},

@@ -65,12 +65,36 @@ def request_families(metrics: RequestMetrics) -> Iterator[Metric]:
         queries.add_metric([model], s.prompt_tokens)
         hits.add_metric([model], s.cached_tokens)
     yield from (finished, prompt, generation, queries, hits)
+    yield from restore_families(series)
     for key, (name, doc) in HISTOGRAM_NAMES.items():
         family = HistogramMetricFamily(name, doc, labels=["model"])
         for model, s in sorted(series.items()):
             h = s.histograms[key]
             family.add_metric([model], h.cumulative(), h.sum)
         yield family
+
+
+def restore_families(series: dict[str, Any]) -> Iterator[Metric]:
+    """Per model: prompt tokens, bytes and seconds restored from each tier, and requests and computed prompt
+    tokens by why they were not restored (`why.Reason`: docs/design/cache-explain.md)."""
+    tokens = _counter("omlx_prefix_cache_restored_tokens", "Prompt tokens restored, by tier.", ["model", "tier"])
+    nbytes = _counter("omlx_prefix_cache_restored_bytes", "Bytes of cached blocks restored, by tier.", ["model", "tier"])
+    seconds = _counter("omlx_prefix_cache_restore_seconds", "Seconds restores from RAM and the SSD took, by tier.",
+                       ["model", "tier"])
+    requests = _counter("omlx_prefix_cache_requests", "Requests, by why their prompt was not restored further.",
+                        ["model", "reason"])
+    computed = _counter("omlx_prefix_cache_computed_tokens", "Prompt tokens computed, by why they were not restored.",
+                        ["model", "reason"])
+    for model, s in sorted(series.items()):
+        for tier, (n, b, t) in sorted(s.restored.items()):
+            tokens.add_metric([model, tier], n)
+            nbytes.add_metric([model, tier], b)
+            if tier != "hot":  # device memory's blocks are used where they are: no restore to time
+                seconds.add_metric([model, tier], t)
+        for reason, (count, n) in sorted(s.computed.items()):
+            requests.add_metric([model, reason], count)
+            computed.add_metric([model, reason], n)
+    yield from (tokens, nbytes, seconds, requests, computed)
 
 
 def pool_families(pool: Any, device_memory: dict[str, int]) -> Iterator[Metric]:

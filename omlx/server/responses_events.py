@@ -11,6 +11,7 @@ from typing import Any
 from omlx.api.responses_models import ResponsesRequest
 from omlx.api.tool_calls import Delta, ReasoningDelta, TextDelta, ToolCall
 from omlx.server.chat_pipeline import ChatFinal
+from omlx.server.generation import omlx_usage
 
 Event = tuple[str, dict[str, Any]]
 
@@ -26,6 +27,7 @@ def response_usage(final: ChatFinal) -> dict[str, Any]:
         "output_tokens": final.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": final.prompt_tokens + final.completion_tokens,
+        **omlx_usage(final.cache),
     }
 
 

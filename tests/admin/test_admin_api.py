@@ -44,7 +44,7 @@ def error_of(r: httpx.Response) -> dict:
 ADMIN_ROUTES = [
     ("GET", "/api/status"), ("GET", "/api/system"), ("GET", "/api/settings"), ("PUT", "/api/settings"),
     ("GET", "/api/logs"), ("GET", "/api/keys"), ("POST", "/api/keys"), ("DELETE", "/api/keys/x"),
-    ("GET", "/api/cache/stats"), ("DELETE", "/api/models/tiny-llama/files"),
+    ("GET", "/api/cache/stats"), ("POST", "/api/cache/explain"), ("DELETE", "/api/models/tiny-llama/files"),
     ("GET", "/api/hub/search"), ("GET", "/api/hub/models/a/b"), ("GET", "/api/downloads"),
     ("POST", "/api/downloads"), ("POST", "/api/downloads/x/cancel"), ("POST", "/api/downloads/x/retry"),
     ("DELETE", "/api/downloads/x"), ("GET", "/api/bench"), ("POST", "/api/bench"), ("POST", "/api/bench/cancel"),

@@ -44,6 +44,7 @@ class Server:
 
     def __init__(self, model_dir: Path, root: Path, monkeypatch: pytest.MonkeyPatch, seconds_per_token: float) -> None:
         self.caches: list[PrefixCache] = []
+        self.reports: dict[str, dict] = {}  # request id -> its restore report (the usage's `omlx.cache`)
         self.tiers = store = make_tiers(B, 1 << 30, ssd=root)
 
         def loader() -> SimpleNamespace:
@@ -71,6 +72,8 @@ class Server:
                 ttft = time.perf_counter() - tic
             tokens += ev.token_ids
             cached = ev.cached_tokens or cached
+            if ev.cache is not None:
+                self.reports[rid] = ev.cache
         return tokens, ttft, cached
 
     def stop(self) -> None:
@@ -134,6 +137,11 @@ def test_a_restore_on_a_wrong_saved_rate_is_cut_short_and_the_next_one_recompute
     assert first_ttft < cold_ttft + full_restore_s / 5
     assert cache.costs.ssd_rate.value < 1e8  # the reads' own rate replaced the wrong one...
     assert second_cached == 0 and len(reads) < 8  # ...so the next conversation recomputes unread
+    # and each request says so (docs/design/cache-explain.md)
+    cut, judged = server.reports["a"], server.reports["b"]
+    assert (cut["reason"], cut["cached_tokens"]) == ("slower", first_cached) and "cut short" in cut["detail"]
+    assert (judged["reason"], judged["cached_tokens"], judged["tiers"]) == ("slower", 0, {})
+    assert "judged slower" in judged["detail"]
 
 
 def test_where_the_ssd_is_the_faster_path_it_restores_the_whole_run(
@@ -150,3 +158,6 @@ def test_where_the_ssd_is_the_faster_path_it_restores_the_whole_run(
         server.stop()
     assert answer == stored[7] and cached >= (BLOCKS - 1) * B
     assert cache.tiers.stats()["skipped_restores"] == 0
+    report = server.reports["a"]
+    assert report["tiers"]["ssd"]["tokens"] + report["tiers"].get("hot", {}).get("tokens", 0) == cached
+    assert report["tiers"]["ssd"]["seconds"] > 0 and report["tiers"]["ssd"]["bytes"] > 0

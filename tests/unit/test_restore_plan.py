@@ -32,6 +32,7 @@ class View:
     capacity: int = 1 << 40
     ram_on: bool = True
     ssd_on: bool = True
+    gone: set[str] = field(default_factory=set)  # let go by every tier
 
     def on_device(self, key: str, whole: bool = False) -> bool:
         return key in self.device and not (whole and key in self.kv_only)
@@ -56,6 +57,9 @@ class View:
 
     def held(self, keys: list[str]) -> set[str] | None:
         return {k for k in keys if k in self.device or k in self.ram or k in self.ssd}
+
+    def evicted(self, key: str) -> bool:
+        return key in self.gone
 
     def tier_of(self, key: str, fingerprint: str, device_only: bool = False) -> Tier | None:
         if self.on_device(key, whole=True):

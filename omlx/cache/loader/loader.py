@@ -151,8 +151,10 @@ class Loader:
         blocks: list[CacheBlock] = []
         held = 0  # bytes of a stateful chain's KV in device memory (`_charge`)
         complete = True
+        tiers = {tail.key: tail.tier for tail in plan.tails}  # each block's tier as planned, for the report
         for run in plan.runs:
             got, whole = self._carry_out(run, loading, ahead, seconds_per_byte, charges, chain)
+            tiers.update((block.key, run.tier) for block in got)
             if run.tier is Tier.DEVICE and self.kv_only:
                 held = sum(b.nbytes for b in got)
             blocks += got
@@ -163,14 +165,17 @@ class Loader:
         if complete:
             parts += self._tail(plan, chain)
         if self.kv_only:  # a run read KV-only: its last block's state, alone
+            before = len(parts)
             parts = self.reads.with_last_state(parts, charges, chain)
+            loading.lost_state = len(parts) < before
+        loading.parts = [(tiers.get(block.key, Tier.DEVICE), used, block.nbytes) for block, used in parts]
         self.after_puts()
         if not parts:
             return None, 0
         self.tiers.touch_chain([block.key for block, _ in parts])
         caches = join_blocks(parts, self.num_layers) if self.kinds is None else layer_states.restore(self.kinds, parts)
         if charges:
-            self._charge(caches, charges, held)
+            loading.seconds = self._charge(caches, charges, held)
         return caches, sum(used for _, used in parts)
 
     def _take_reads(self, loading: Loading) -> tuple[dict[str, HostBlock], float]:
@@ -221,7 +226,7 @@ class Loader:
             return got, False
         got = self._moved_ahead(run, loading)
         if run.probe:
-            more, whole = self._probe(run, len(got), source, rate, charges, chain)
+            more, whole = self._probe(run, len(got), source, rate, charges, chain, loading)
             return got + more, whole
         more, seconds = self.reads.fetch(list(run.keys[len(got) :]), source, chain)
         if more:
@@ -252,8 +257,9 @@ class Loader:
         return blocks
 
     def _probe(
-        self, run: Run, start: int, source: Source, rate: Throughput, charges: list[Charge], chain: frozenset[str]
-    ) -> tuple[list[CacheBlock], bool]:
+        self, run: Run, start: int, source: Source, rate: Throughput, charges: list[Charge], chain: frozenset[str],
+        loading: Loading,
+    ) -> tuple[list[CacheBlock], bool]:  # fmt: skip
         """A stale tier timed on a part of `run` (from block `start`) first: up to an eighth, in groups of
         1, 2, 4 ... blocks within `PROBE_SHARE` of recomputing the run; the rest judged again on what it
         showed (`decide.verdict`). The blocks got, and whether the rest was restored too."""
@@ -285,6 +291,7 @@ class Loader:
         self.costs.log_verdict(len(rest) * size, at, rate, verdict)
         if not verdict.restore:
             self._skipped(rate)
+            loading.probed_slower = True
             return got, False
         more, seconds = self.reads.fetch(rest, source, chain)
         if more:
@@ -315,14 +322,19 @@ class Loader:
                 return [(block, tail.tokens)]
         return []
 
-    def _charge(self, caches: list[Any], charges: list[Charge], held: int) -> None:
+    def _charge(self, caches: list[Any], charges: list[Charge], held: int) -> dict[Tier, float]:
         """The model's cache built from restored blocks is where their cost ends (on a CUDA GPU the first
         device use of host-written memory migrates it): that time goes into each tier's restore time,
-        shared by bytes; `held` bytes from device memory take their share unbilled."""
+        shared by bytes; `held` bytes from device memory take their share unbilled. The seconds per tier."""
         tic = time.perf_counter()
         mx.eval([c.state for c in caches])
         extra = time.perf_counter() - tic
         total = max(1, held + sum(c.nbytes for c in charges))  # a KV-only run of recurrent layers alone reads none
+        spent: dict[Tier, float] = {}
         for c in charges:
-            c.rate.observe(c.nbytes, c.seconds + extra * c.nbytes / total)
+            seconds = c.seconds + extra * c.nbytes / total
+            c.rate.observe(c.nbytes, seconds)
+            tier = Tier.SSD if c.rate is self.costs.ssd_rate else Tier.RAM
+            spent[tier] = spent.get(tier, 0.0) + seconds
         self.save_costs(True)
+        return spent

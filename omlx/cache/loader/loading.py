@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from omlx.cache.plan.read_watch import ReadWatch
-from omlx.cache.plan.restore_plan import RestorePlan
+from omlx.cache.plan.restore_plan import RestorePlan, Tier
 
 if TYPE_CHECKING:  # no MLX where the scheduler reads it
     from omlx.cache.block.block import CacheBlock
@@ -31,6 +31,13 @@ class Loading:
     moving_s: float = 0.0  # seconds spent moving, and from the first move (the debug line)
     first_move: float | None = None
     loops: int = 0
+    # what `cache_for` restored, for the request's report (`why.Outcome`): (tier, tokens, bytes) per block in
+    # chain order, and whether a stateful chain lost its last block's state
+    parts: list[tuple[Tier, int, int]] = field(default_factory=list)
+    lost_state: bool = False
+    probed_slower: bool = False  # a probe of a tier showed the rest of its run slower than recomputing
+    seconds: dict[Tier, float] = field(default_factory=dict)  # the restore's time per slower tier (RAM, SSD)
+    report: Any = None  # `why.CacheReport`, left by `cache_for`
 
     @property
     def needs_engine(self) -> bool:

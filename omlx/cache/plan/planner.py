@@ -1,6 +1,6 @@
-"""`match`: where a prompt's blocks lie (one walk of the tiers, no MLX) turned into a
-`RestorePlan`, its runs judged once against recomputing (`decide`), its tail found (`tails`).
-Why these rules: docs/design/restore-or-recompute.md, ram-moves.md."""
+"""`match`: where a prompt's blocks lie (one walk of the tiers, no MLX) turned into a `RestorePlan`, its
+runs judged once against recomputing (`decide`), its tail found (`tails`), the facts at its end read for
+its report (`miss_facts`). Why these rules: docs/design/restore-or-recompute.md, ram-moves.md."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from omlx.cache.block.hashing import block_keys
-from omlx.cache.plan import decide
+from omlx.cache.plan import decide, miss_facts
 from omlx.cache.plan.decide import Costs, Rate
-from omlx.cache.plan.restore_plan import RestorePlan, Run, Tier, Verdict
+from omlx.cache.plan.restore_plan import MissFacts, RestorePlan, Run, Tier, Verdict
 from omlx.cache.plan.tail_index import TailIndex
 from omlx.cache.plan.tails import find_tails
 
@@ -42,6 +42,8 @@ class ChainView(Protocol):
 
     def has_ssd(self) -> bool: ...
 
+    def evicted(self, key: str) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Measured:
@@ -65,6 +67,7 @@ class Planner:
     kv_only: bool = False
     whole_tails: bool = False
     tails: TailIndex = field(default_factory=TailIndex)
+    others: miss_facts.OtherBuilds = list  # this model's other builds (a miss's `fingerprint` reason)
 
     def match(self, tokens: list[int], measured: Measured, grid: int = 0, resumed: bool = False) -> RestorePlan:
         """The plan for `tokens` (at least one token is left to compute); `grid`: the engine's prefill
@@ -79,10 +82,14 @@ class Planner:
             self.view, self.tails, self.fingerprint, tokens, keys[:blocks], size, grid,
             device_only=skipped, whole=self.whole_tails,
         )  # fmt: skip
+        facts = MissFacts()  # a run judged not to pay is the reason: nothing else to read
+        if not skipped:
+            used = tails[0].tokens if tails else 0
+            facts = miss_facts.look(self.view, self.tails, self.others, self.fingerprint, tokens, keys, blocks, size, used)
         ram_only = self.view.has_ram() and measured.block_bytes > 0 and not self.view.device_can_hold(measured.block_bytes)
         return RestorePlan(
             len(tokens), size, tuple(keys), runs, tails, self.kv_only, measured.costs.prefill,
-            stores_after_prefill=not ram_only, counted=not resumed,
+            stores_after_prefill=not ram_only, counted=not resumed, facts=facts,
         )  # fmt: skip
 
 

@@ -70,6 +70,18 @@ class PrefillEstimate:
 
 
 @dataclass(frozen=True)
+class MissFacts:
+    """What the tiers knew where a plan's full blocks end (`miss_facts.look`, read by `match`), for
+    `why.explain`: the cached block or tail there sharing the most tokens with the prompt, and more."""
+
+    shared: int = 0  # tokens that block or tail shares with the prompt there
+    shared_held: bool = False  # it is still in a tier
+    shared_len: int = 0  # its own tokens
+    next_evicted: bool = False  # the first full block not restored was held and let go
+    other_build: bool = False  # the prompt's first block is cached for another fingerprint of this model
+
+
+@dataclass(frozen=True)
 class RestorePlan:
     """What `prompt_tokens` would restore: `runs` from the root (device, RAM, SSD; a run judged not to pay
     ends the plan), then the first of `tails` the loader finds. `kv_only`: runs are read without their
@@ -84,6 +96,7 @@ class RestorePlan:
     recompute: PrefillEstimate = PrefillEstimate()
     stores_after_prefill: bool = True  # false: only RAM would keep blocks, stored at the request's end
     counted: bool = True  # a request's restore (false: a paused sequence's own tokens again)
+    facts: MissFacts = MissFacts()  # what the tiers knew where the restore ends (`why.explain`)
 
     @property
     def restored_blocks(self) -> int:

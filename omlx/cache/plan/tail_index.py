@@ -32,6 +32,16 @@ class TailIndex:
             reverse=True,
         )
 
+    def best(self, parent: str | None, rest: list[int]) -> tuple[int, str, int] | None:
+        """(tokens shared with `rest`, key, its own tokens) of `parent`'s child sharing the most, the
+        longest of those first; None when `parent` has none (the reason a restore ends: cache-explain.md)."""
+        children = self._children.get(parent or "", ())
+        found = [(common_prefix(toks, rest), len(toks), key) for key, toks in children]
+        if not found:
+            return None
+        shared, length, key = max(found)
+        return shared, key, length
+
 
 def common_prefix(a: tuple[int, ...], b: list[int]) -> int:
     n = min(len(a), len(b))

@@ -28,6 +28,10 @@ class Residency(enum.Flag):
     DEMOTING = enum.auto()  # let go by the hot tier, waits in device memory for its copy to RAM
 
 
+# Keys let go by every tier that the directory remembers (oldest forgotten first), so a miss can say
+# "evicted" rather than "never cached" (docs/design/cache-explain.md).
+GONE_KEYS = 16_384
+
 ON_DEVICE = Residency.HOT | Residency.UNWRITTEN | Residency.DEMOTING  # device memory holds it
 SSD_STATES = Residency.WRITING | Residency.SSD  # the SSD tier's, recorded by it (`SSDTier`, `SSDIndex`)
 HOT_STATES = Residency.HOT | Residency.KV_ONLY  # device memory's, recorded by its `MemoryTier`
@@ -54,6 +58,7 @@ class BlockDirectory:
         self._demoting: OrderedDict[str, None] = OrderedDict()
         self.demoting_bytes = 0
         self.generation = 0  # bumped by `clear`: what was stored or let go before it is not written or copied
+        self._gone: OrderedDict[str, None] = OrderedDict()  # keys no tier holds any more (`GONE_KEYS`)
 
     def state(self, key: str) -> Residency:
         with self.lock:
@@ -74,6 +79,7 @@ class BlockDirectory:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = _Entry(Residency.NONE)
+            self._gone.pop(key, None)
         entry.state |= state
         for name, value in fields.items():
             setattr(entry, name, value)
@@ -88,7 +94,20 @@ class BlockDirectory:
         entry.state &= ~state
         if not entry.state:
             del self._entries[key]
+            self._gone[key] = None
+            if len(self._gone) > GONE_KEYS:
+                self._gone.popitem(last=False)
         return entry
+
+    def evicted(self, key: str) -> bool:
+        """Whether `key` was held by some tier and let go since (remembered for the last `GONE_KEYS`)."""
+        with self.lock:
+            return key in self._gone and key not in self._entries
+
+    def forget_gone(self) -> None:
+        """After a clear: what it dropped was not let go for room."""
+        with self.lock:
+            self._gone.clear()
 
     # ----- waiting for the SSD writer (`write_back`) -----------------------------------
     def await_write(self, block: CacheBlock) -> None:

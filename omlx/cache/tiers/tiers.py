@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from omlx.cache.block.block import CacheBlock, HostBlock
+from omlx.cache.plan.fingerprints import FingerprintBook
 from omlx.cache.plan.restore_plan import Tier
 from omlx.cache.tiers.counters import CacheCounters, CopyCounts
 from omlx.cache.tiers.demotion import Demotion
@@ -49,6 +50,8 @@ class Tiers:
                 ssd_folder, ssd_bytes, directory=self.directory, read_workers=ssd_read_workers, write_queue_max=ssd_write_queue
             )  # fmt: skip
         self.counters = CacheCounters()
+        # each model's builds, beside the SSD's blocks where there is one (a miss's reason: cache-explain.md)
+        self.fingerprints = FingerprintBook(self.ssd.folder / "fingerprints.json" if self.ssd is not None else None)
         self.copies = CopyCounts()
         self.demotion = Demotion(self.lock, self.directory, self.device, self.ram, self.copies, demote_bound) if self.ram else None
         self._followers: dict[str, Follower] = {}  # fingerprint -> its model's write-back (engine of that model)
@@ -178,6 +181,10 @@ class Tiers:
             return Tier.RAM
         return Tier.SSD if self.on_ssd(key, fingerprint) else None
 
+    def evicted(self, key: str) -> bool:
+        """Whether `key` was held and every tier has let it go since (`BlockDirectory.evicted`)."""
+        return self.directory.evicted(key)
+
     def touch_chain(self, keys: list[str]) -> None:
         """Mark one chain's blocks (root first) used in every tier holding them, deepest first, so its root
         ends the most recently used and eviction takes chains from their ends (a chain without its root
@@ -211,6 +218,7 @@ class Tiers:
             self.ram.clear()
         if self.ssd:
             self.ssd.clear()
+        self.directory.forget_gone()
 
     def close(self) -> None:
         """At the server's end: the SSD writer finishes its queue."""

@@ -1,0 +1,77 @@
+"""`POST /api/cache/explain`: what a request would restore from the prefix cache, from which tier, and why
+not more — without running it. The prompt is rendered as a chat or completion request renders it, and
+the answer comes from the engine's own `match` and `report`, on its engine thread (no read, no MLX
+array: docs/design/cache-explain.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from omlx.api.media import MediaPolicy
+from omlx.api.openai_models import ChatCompletionRequest, ChatMessage
+from omlx.api.tool_specs import openai_tool_choice, openai_tools
+from omlx.api.wire import Lenient
+from omlx.cache.plan.why import explain, plan_dict
+from omlx.errors import InvalidRequestError
+from omlx.server.chat_pipeline import ChatTurn, render_prompt
+from omlx.server.openai_chat import chat_messages
+
+router = APIRouter(prefix="/api")
+
+
+class CacheExplainBody(Lenient):
+    """A chat completion's or a completion's request body (other fields are ignored): `messages` (with
+    `tools`, `tool_choice`, `chat_template_kwargs`) or `prompt` (text or token ids)."""
+
+    model: str
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str | list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def explain_on_engine(engine: Any, tokens: list[int]) -> dict[str, Any]:
+    """On the engine's thread: the plan its scheduler would make for `tokens` and its report."""
+    cache = engine.prefix_cache
+    plan = cache.match(tokens, grid=engine.prefill_quantum)
+    return {**explain(plan).to_dict(), "plan": plan_dict(plan)}
+
+
+async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, memory: Any = None) -> list[int]:
+    """The tokens the request would send to the engine (its messages rendered, with the answers this
+    server generated as generated (`memory`, the app's turn memory), or its prompt)."""
+    if body.messages is not None:
+        tools = openai_tools(body.tools)
+        turn = ChatTurn(
+            messages=chat_messages(ChatCompletionRequest(model=body.model, messages=body.messages), MediaPolicy(body.model)),
+            tools=tools,
+            tool_choice=openai_tool_choice(body.tool_choice, tools),
+            template_kwargs=dict(body.chat_template_kwargs or {}),
+        )
+        return (await render_prompt(engine, resolved, turn, memory))[0]
+    if isinstance(body.prompt, str):
+        tokens = list(await asyncio.to_thread(engine.tokenizer.encode, body.prompt))
+    else:
+        tokens = list(body.prompt or [])
+        vocab = engine.model_vocab_size
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidRequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
+    if not tokens:
+        raise InvalidRequestError("prompt must not be empty.", param="prompt")
+    return tokens
+
+
+@router.post("/cache/explain")
+async def cache_explain(body: CacheExplainBody, request: Request) -> dict[str, Any]:
+    """Loads the model if it is not loaded, as a request (or `count_tokens`) would."""
+    if (body.messages is None) == (body.prompt is None):  # before a model is leased (or loaded)
+        raise InvalidRequestError("Give exactly one of messages or prompt.", param="messages")
+    async with request.app.state.pool.lease(body.model, "llm") as (engine, resolved):
+        tokens = await prompt_tokens(engine, resolved, body, getattr(request.app.state, "turn_memory", None))
+        answer = await engine.call(lambda: explain_on_engine(engine, tokens))
+        return {"model": resolved.info.id, "prompt_tokens": len(tokens), **answer}
