@@ -27,6 +27,7 @@ from omlx.errors import (
     OMLXError,
 )
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
+from omlx.models.vision import check_servable
 from omlx.pool.memory import estimate_model_bytes
 from omlx.pool.memory_guard import MemoryGuard
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
@@ -176,6 +177,13 @@ class EnginePool:
         finally:
             self.release(engine)
 
+    def accepts_images(self, name: str) -> bool:
+        """Whether `name` resolves to a vision-language model (False for unknown names: the lease says why)."""
+        try:
+            return self.resolve(name).info.vision
+        except ModelNotFoundError:
+            return False
+
     async def acquire(self, name: str, kind: str | None = None) -> tuple[Any, Resolved]:
         """Like `lease`, for callers that release later (streams): pair with `release()`."""
         resolved = self.resolve(name)
@@ -199,6 +207,8 @@ class EnginePool:
 
     async def _ensure_loaded(self, resolved: Resolved) -> Entry:
         DEVICE.raise_if_lost()  # nothing can load or run any more: 503 rather than a load failure
+        if resolved.info.vision:  # a 400 naming the extra (or the architecture), never a text-only load
+            check_servable(resolved.info)
         model_id = resolved.info.id
         entry = self.entries.get(model_id)
         if entry is not None:

@@ -32,15 +32,14 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     render_turn,
 )
-from omlx.server.openai_routes import default_max_tokens, with_llm
+from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 
 router = APIRouter()
 
 
-def _turn(body: MessagesRequest) -> ChatTurn:
+def _turn(body: MessagesRequest, media: MediaPolicy) -> ChatTurn:
     tools = tool_specs(body.tools)
-    media = MediaPolicy(body.model)
     return ChatTurn(
         messages=to_chat_messages(body, media),
         tools=tools,
@@ -53,12 +52,14 @@ def _turn(body: MessagesRequest) -> ChatTurn:
         output_format=anthropic_output_format(body.output_config, body.output_format),
         thinking_budget=thinking_budget(body.thinking),
         warnings=media.warnings,
+        images=media.images,
+        image_limits=media.limits,
     )
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    turn = _turn(body)  # checked before the model is leased (or loaded)
+    turn = _turn(body, media_policy(request, body.model))  # checked before the model is leased (or loaded)
     return await with_llm(request, body.model, lambda e, r: _messages(body, turn, request, e, r))
 
 

@@ -29,7 +29,7 @@ from omlx.server.chat_pipeline import (
     parsed_events,
     prepare_chat,
 )
-from omlx.server.openai_routes import default_max_tokens, with_llm
+from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.responses_events import Event, ResponseEvents
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 from omlx.server.structured import effort_budget
@@ -56,7 +56,7 @@ def conversation_for(body: ResponsesRequest, store: ResponseStore, media: MediaP
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    media = MediaPolicy(body.model)
+    media = media_policy(request, body.model)
     messages = conversation_for(body, _store(request), media)  # checked before the model is leased
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
@@ -76,6 +76,8 @@ async def create_response(body: ResponsesRequest, request: Request):
             else effort_budget((body.reasoning or {}).get("effort"), "reasoning.effort")
         ),
         warnings=media.warnings,
+        images=media.images,
+        image_limits=media.limits,
     )
     return await with_llm(request, body.model, lambda e, r: _create(body, turn, request, e, r))
 
