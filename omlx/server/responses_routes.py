@@ -33,6 +33,7 @@ from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.responses_events import Event, ResponseEvents
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 from omlx.server.structured import effort_budget
+from omlx.server.vision_prompt import images_apart, with_images
 
 router = APIRouter()
 
@@ -51,7 +52,10 @@ def conversation_for(body: ResponsesRequest, store: ResponseStore, media: MediaP
                 param="previous_response_id",
             )
         history = [m for m in found[1] if m["role"] != "system"]
-    return history + items_to_messages(input_items(body.input), media)
+    history, images = images_apart(history)  # a stored turn's images come back with it
+    new = items_to_messages(input_items(body.input), media)
+    media.images[:0] = images
+    return history + new
 
 
 @router.post("/v1/responses")
@@ -83,7 +87,7 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 
 async def _create(body: ResponsesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
-    messages = turn.messages
+    messages = with_images(turn.messages, turn.images)  # as stored for previous_response_id
     prepared = await prepare_chat(
         engine, resolved, turn, default_max_tokens(request, resolved.defaults), request.app.state.turn_memory
     )

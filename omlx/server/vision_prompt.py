@@ -30,6 +30,30 @@ def keyed_ids(digest: bytes, n: int) -> list[int]:
     return out
 
 
+def with_images(messages: list[dict[str, Any]], images: list[ImageRef]) -> list[dict[str, Any]]:
+    """Copies of `messages` where each one whose text holds image marks keeps its images (`_images`),
+    for a conversation stored to be continued later (Responses' `previous_response_id`)."""
+    out, k = [], 0
+    for m in messages:
+        content = m.get("content")
+        n = content.count(IMAGE_MARK) if isinstance(content, str) else 0
+        out.append({**m, "_images": images[k : k + n]} if n else m)
+        k += n
+    return out
+
+
+def images_apart(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """`with_images` undone: the messages as the template sees them, and their images in order."""
+    images: list[ImageRef] = []
+    out = []
+    for m in messages:
+        if "_images" in m:
+            images += m["_images"]
+            m = {k: v for k, v in m.items() if k != "_images"}
+        out.append(m)
+    return out, images
+
+
 def with_image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages whose text holds image marks get content lists of text and image parts, as
     vision chat templates read them."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.cache_costs import make_recompute_look_slow
 from tests.support.server import ServerProcess
 from tests.support.tiny_model import build_tiny_llama
 from tests.support.tiny_vlm import build_tiny_qwen2_vl, draw_png
@@ -267,6 +268,42 @@ def test_a_text_model_keeps_its_image_policy(server):
     r = httpx.post(server.base_url + "/v1/chat/completions", json={
         "model": "tiny-llama", "max_tokens": 4, "messages": [image_message(draw_png("circle"))]}, timeout=60)  # fmt: skip
     assert r.status_code == 400 and "'tiny-llama' is a text model" in r.json()["error"]["message"]
+
+
+def test_a_responses_chain_keeps_its_images(server):
+    """`previous_response_id` brings the earlier turn's image back: the chained prompt holds it
+    (its tokens are restored from the cache) and answers as the whole conversation sent at once."""
+    png = draw_png("square")
+    first_input = [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(png)}, {"type": "input_text", "text": "Describe it."}]}]  # fmt: skip
+
+    def respond(**body) -> dict:
+        r = httpx.post(server.base_url + "/v1/responses", json={"model": VLM, "max_output_tokens": 8, "temperature": 0, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = respond(input=first_input)
+    chained = respond(previous_response_id=first["id"], input="And the colour?")
+    text = first["output"][-1]["content"][0]["text"]
+    whole = respond(input=[*first_input, {"role": "assistant", "content": text}, {"role": "user", "content": "And the colour?"}])
+    assert chained["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert chained["usage"]["input_tokens_details"]["cached_tokens"] > first["usage"]["input_tokens"] - 2
+    assert chained["output"][-1]["content"][0]["text"] == whole["output"][-1]["content"][0]["text"]
+
+
+def test_after_a_restart_an_image_prompt_hits_the_ssd_and_answers_as_a_miss(server):
+    """Blocks holding an image are keyed by its digest, so they are found again after a restart."""
+    messages = [{"role": "system", "content": "You describe pictures. " * 4}, image_message(draw_png("stripes"))]
+    httpx.post(server.base_url + "/api/cache/clear", timeout=30)
+    miss = chat(server, messages)
+    server.stop()
+    make_recompute_look_slow(server.home)  # a tiny model recomputes faster than the SSD restores
+    server.start()
+    hit = chat(server, messages)
+    assert answer(miss)[1] == 0 and answer(hit)[1] == miss["usage"]["prompt_tokens"] - 1
+    assert answer(hit)[0] == answer(miss)[0]
+    ssd = httpx.get(server.base_url + "/api/cache/stats").json()["ssd"]
+    assert ssd["hits"] > 0
 
 
 def test_text_only_requests_to_a_vision_model_work(server):
