@@ -16,6 +16,7 @@ class VisionInput:
     pixel_values: np.ndarray
     grid_thw: np.ndarray
     spans: list[tuple[int, int]]
+    activation_bytes: int = 0  # the vision tower's estimated peak, which admission reserves too
 
     def patches(self, i: int) -> tuple[int, int]:
         """Image `i`'s rows of `pixel_values` (start, end)."""

@@ -57,11 +57,19 @@ class VisionParts:
     image_processor: Any
     image_token_id: int
     merge_size: int
+    heads: int = 16  # the vision tower's attention heads
+    width: int = 1280  # its hidden size
 
     def tokens_for(self, grid_thw: Any) -> int:
         """Prompt tokens one image of this (t, h, w) patch grid takes."""
         t, h, w = (int(x) for x in grid_thw)
         return t * h * w // (self.merge_size**2)
+
+    def activation_bytes(self, grid: Any) -> int:
+        """An estimate of the vision tower's peak for the largest of these images (they are encoded
+        one at a time): float32 attention scores over all its patches plus a few hidden states."""
+        patches = max((int(t) * int(h) * int(w) for t, h, w in grid), default=0)
+        return 4 * (self.heads * patches * patches + 8 * patches * self.width)
 
 
 def load_vlm(info: ModelInfo, dtype: Any | None) -> tuple[Any, Any, VisionParts]:
@@ -84,6 +92,8 @@ def load_vlm(info: ModelInfo, dtype: Any | None) -> tuple[Any, Any, VisionParts]
         image_processor=processor.image_processor,
         image_token_id=int(vlm.config.image_token_id),
         merge_size=int(vlm.config.vision_config.spatial_merge_size),
+        heads=int(getattr(vlm.config.vision_config, "num_heads", 16)),
+        width=int(getattr(vlm.config.vision_config, "embed_dim", 1280)),
     )
     return VisionLM(vlm, info.config["model_type"]), tokenizer, parts
 

@@ -195,7 +195,7 @@ async def prepare_chat(
     vision = None
     if turn.images:
         prompt, spans = expand(prompt, parts, grid, digests)
-        vision = VisionInput(pixel_values, grid, spans)
+        vision = VisionInput(pixel_values, grid, spans, parts.activation_bytes(grid))
     if rewritten:
         log.info(
             "request=%s: the chat template rewrote %d of the %d earlier assistant turns sent back as generated "

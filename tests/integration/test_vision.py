@@ -306,6 +306,21 @@ def test_after_a_restart_an_image_prompt_hits_the_ssd_and_answers_as_a_miss(serv
     assert ssd["hits"] > 0
 
 
+def test_the_pool_unloads_loads_and_pins_a_vision_model_as_any_model(server):
+    def state() -> str:
+        return next(m for m in httpx.get(server.base_url + "/v1/models").json()["data"] if m["id"] == VLM)["state"]
+
+    ref = answer(chat(server, [image_message(draw_png("circle"), "Again?")]))[0]
+    assert httpx.post(server.base_url + f"/v1/models/{VLM}/unload", timeout=30).json()["unloaded"] is True
+    assert state() == "unloaded"
+    assert answer(chat(server, [image_message(draw_png("circle"), "Again?")]))[0] == ref  # loaded again on use
+    assert state() == "loaded"
+    r = httpx.put(server.base_url + f"/api/models/{VLM}/settings", json={"pinned": True}, timeout=30)
+    assert r.status_code == 200
+    status = next(m for m in httpx.get(server.base_url + "/v1/models/status").json()["data"] if m["id"] == VLM)
+    assert status["pinned"] is True
+
+
 def test_text_only_requests_to_a_vision_model_work(server):
     reply = chat(server, [{"role": "user", "content": "The quick brown fox."}])
     assert reply["choices"][0]["finish_reason"] in ("stop", "length") and reply["usage"]["completion_tokens"] > 0
