@@ -21,9 +21,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from omlx.engine.vision_input import VisionInput
 
-# the architectures whose language model takes explicit M-RoPE positions (mlx-vlm model types)
-MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
-
 
 class RopeKVCache(KVCache):
     """A sequence's `KVCache` and its rope delta (0 for a text-only prompt)."""

@@ -19,8 +19,9 @@ from omlx.models.discovery import ModelInfo
 log = logging.getLogger("omlx.models")
 
 EXTRA = "omlx[vision]"
-# served: M-RoPE Qwen2-VL family (engine/vision_lm.py); others with a vision tower are refused by name
-SERVED = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# served: the M-RoPE models whose language model takes explicit positions (engine/vision_lm.py);
+# others with a vision tower are refused by name
+SERVED = frozenset({"qwen2_vl", "qwen2_5_vl", "glm_ocr"})
 
 
 def vision_installed() -> bool:
@@ -93,7 +94,7 @@ def load_vlm(info: ModelInfo, dtype: Any | None) -> tuple[Any, Any, VisionParts]
         image_token_id=int(vlm.config.image_token_id),
         merge_size=int(vlm.config.vision_config.spatial_merge_size),
         heads=int(getattr(vlm.config.vision_config, "num_heads", 16)),
-        width=int(getattr(vlm.config.vision_config, "embed_dim", 1280)),
+        width=int(getattr(vlm.config.vision_config, "embed_dim", None) or getattr(vlm.config.vision_config, "hidden_size", 1280)),
     )
     return VisionLM(vlm, info.config["model_type"]), tokenizer, parts
 

@@ -16,11 +16,13 @@ import pytest
 from tests.support.cache_costs import make_recompute_look_slow
 from tests.support.server import ServerProcess
 from tests.support.tiny_model import build_tiny_llama
+from tests.support.tiny_ocr import build_tiny_glm_ocr
 from tests.support.tiny_vlm import build_tiny_qwen2_vl, draw_png
 
 pytest.importorskip("mlx_vlm", reason="the vision tests need omlx[vision] (scripts/setup.sh test installs it)")
 
 VLM = "tiny-qwen2-vl"
+OCR = "tiny-glm-ocr"
 MAX_IMAGE_BYTES = 200_000
 
 
@@ -28,6 +30,7 @@ MAX_IMAGE_BYTES = 200_000
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vision-models")
     build_tiny_qwen2_vl(root / VLM)
+    build_tiny_glm_ocr(root / OCR)
     build_tiny_llama(root / "tiny-llama")
     return root
 
@@ -66,37 +69,44 @@ def answer(reply: dict) -> tuple[str, int]:
 def test_models_say_which_accept_images(server):
     cards = {m["id"]: m for m in httpx.get(server.base_url + "/v1/models").json()["data"]}
     assert cards[VLM]["vision"] is True and cards[VLM]["input_modalities"] == ["text", "image"]
+    assert cards[OCR]["vision"] is True
     assert cards["tiny-llama"]["vision"] is False and cards["tiny-llama"]["input_modalities"] == ["text"]
 
 
-def test_greedy_output_equals_mlx_vlm_generate(server, models):
-    """The same model, prompt and image through mlx-vlm's own `stream_generate`: the same tokens
-    (compared as text through the tokenizer's streaming detokenizer, as the server makes it)."""
+def _mlx_vlm_text(path: Path, png: bytes, text: str, n: int) -> tuple[str, int]:
+    """mlx-vlm's own greedy `stream_generate` on the same model, prompt and image: its first `n` tokens
+    as the tokenizer's streaming detokenizer reads them (as the server makes its text), and its prompt length."""
     import io
 
     from mlx_lm.utils import load_tokenizer
     from mlx_vlm import load, stream_generate
     from PIL import Image
 
-    png = draw_png("circle")
-    reply = chat(server, [image_message(png)], max_tokens=12)
-    got, _ = answer(reply)
-    model, processor = load(str(models / VLM))
+    model, processor = load(str(path))
     prompt = processor.tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}],
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
         tokenize=False, add_generation_prompt=True,
     )  # fmt: skip
     image = Image.open(io.BytesIO(png)).convert("RGB")
-    steps = list(stream_generate(model, processor, prompt, image=[image], max_tokens=12, temperature=0.0))
-    ref = [r.token for r in steps]
-    n = reply["usage"]["completion_tokens"]
-    detok = load_tokenizer(models / VLM).detokenizer
+    steps = list(stream_generate(model, processor, prompt, image=[image], max_tokens=n, temperature=0.0))
+    detok = load_tokenizer(path).detokenizer
     detok.reset()
-    for t in ref[:n]:
-        detok.add_token(t)
+    for step in steps[:n]:
+        detok.add_token(step.token)
     detok.finalize()
-    assert reply["usage"]["prompt_tokens"] == steps[-1].prompt_tokens  # the image's 4 tokens included
-    assert got == detok.text and n == 12
+    return detok.text, steps[-1].prompt_tokens
+
+
+@pytest.mark.parametrize("model", [VLM, OCR])
+def test_greedy_output_equals_mlx_vlm_generate(server, models, model):
+    """Qwen2-VL, and GLM-OCR with its own prompt ("Text Recognition:"), through the server: the
+    same text as mlx-vlm's own generate on the same model and image."""
+    png = draw_png("circle")
+    text = "Text Recognition:" if model == OCR else "What is in this picture?"
+    reply = chat(server, [image_message(png, text)], model=model, max_tokens=12)
+    want, prompt_tokens = _mlx_vlm_text(models / model, png, text, reply["usage"]["completion_tokens"])
+    assert reply["usage"]["prompt_tokens"] == prompt_tokens  # the image's 4 tokens included
+    assert answer(reply)[0] == want and reply["usage"]["completion_tokens"] >= 4
 
 
 def _image_start(models: Path, messages: list[dict]) -> int:
