@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -34,6 +35,7 @@ from omlx.server.chat_pipeline import (
 )
 from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
+from omlx.server.vision_prompt import expand, load_images, with_image_parts
 
 router = APIRouter()
 
@@ -117,8 +119,9 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, events: MessageEven
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     tools = tool_specs(body.tools)  # checked before the model is leased (or loaded)
+    media = media_policy(request, body.model)
     turn = ChatTurn(
-        messages=to_chat_messages(body),
+        messages=to_chat_messages(body, media),
         tools=tools,
         tool_choice=tool_choice_name(body.tool_choice, tools),
         template_kwargs=thinking_kwargs(body.thinking),
@@ -126,5 +129,11 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     tools = None if turn.tool_choice == "none" else turn.tools
     async with request.app.state.pool.lease(body.model, "llm") as (engine, _resolved):
         native = bool(tools) and template_supports_tools(engine.tokenizer)
+        parts = getattr(engine.loaded, "vision", None)
+        if media.images:  # counted as the prompt would hold them (vision_prompt.py)
+            _, grid, digests = await load_images(media.images, media.limits, parts)
+            turn = replace(turn, messages=with_image_parts(turn.messages))
         tokens, _ = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native)
+        if media.images:
+            tokens, _ = expand(tokens, parts, grid, digests)
     return {"input_tokens": len(tokens)}

@@ -218,6 +218,14 @@ def test_anthropic_and_responses_images_answer_as_chat_does(server):
     }, timeout=120)  # fmt: skip
     assert msg.status_code == 200, msg.text
     assert "".join(b.get("text", "") for b in msg.json()["content"]) == ref
+    counted = httpx.post(server.base_url + "/v1/messages/count_tokens", json={
+        "model": VLM, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}},
+            {"type": "text", "text": "Describe it."}]}],
+    }, timeout=60)  # fmt: skip
+    usage = msg.json()["usage"]  # Anthropic's input_tokens leave out what the cache read
+    assert counted.status_code == 200
+    assert counted.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"]
     resp = httpx.post(server.base_url + "/v1/responses", json={
         "model": VLM, "max_output_tokens": 12, "temperature": 0,
         "input": [{"role": "user", "content": [
