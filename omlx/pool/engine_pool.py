@@ -207,12 +207,12 @@ class EnginePool:
 
     async def _ensure_loaded(self, resolved: Resolved) -> Entry:
         DEVICE.raise_if_lost()  # nothing can load or run any more: 503 rather than a load failure
-        if resolved.info.vision:  # a 400 naming the extra (or the architecture), never a text-only load
-            check_servable(resolved.info)
         model_id = resolved.info.id
         entry = self.entries.get(model_id)
         if entry is not None:
             return entry
+        if resolved.info.vision:  # a 400 naming the extra (or the architecture), never a text-only load
+            await asyncio.to_thread(check_servable, resolved.info)  # its first call imports mlx-vlm
         lock = self._model_locks.setdefault(model_id, asyncio.Lock())
         async with lock:  # concurrent first requests share one load
             entry = self.entries.get(model_id)
