@@ -60,6 +60,7 @@ class MediaPolicy:
             raise InvalidRequestError(f"{param}.file_id: uploaded files are not supported; send the image as a data: URL.",
                                       param=f"{param}.file_id")  # fmt: skip
         return from_url(url, f"{param}.image_url", self.limits)
+
     def refuse(self, kind: str, param: str) -> InvalidRequestError:
         """Media at the top level of a message."""
         what = "images" if kind in IMAGE_KINDS else "documents of this kind"
