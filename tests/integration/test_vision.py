@@ -22,6 +22,7 @@ from tests.support.tiny_vlm import build_tiny_qwen2_vl, draw_png
 pytest.importorskip("mlx_vlm", reason="the vision tests need omlx[vision] (scripts/setup.sh test installs it)")
 
 VLM = "tiny-qwen2-vl"
+VLM25 = "tiny-qwen2.5-vl"
 OCR = "tiny-glm-ocr"
 MAX_IMAGE_BYTES = 200_000
 
@@ -30,6 +31,7 @@ MAX_IMAGE_BYTES = 200_000
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("vision-models")
     build_tiny_qwen2_vl(root / VLM)
+    build_tiny_qwen2_vl(root / VLM25, model_type="qwen2_5_vl", seed=1)
     build_tiny_glm_ocr(root / OCR)
     build_tiny_llama(root / "tiny-llama")
     return root
@@ -97,10 +99,11 @@ def _mlx_vlm_text(path: Path, png: bytes, text: str, n: int) -> tuple[str, int]:
     return detok.text, steps[-1].prompt_tokens
 
 
-@pytest.mark.parametrize("model", [VLM, OCR])
+@pytest.mark.parametrize("model", [VLM, VLM25, OCR])
 def test_greedy_output_equals_mlx_vlm_generate(server, models, model):
-    """Qwen2-VL, and GLM-OCR with its own prompt ("Text Recognition:"), through the server: the
-    same text as mlx-vlm's own generate on the same model and image."""
+    """Qwen2-VL, Qwen2.5-VL (a windowed vision tower), and GLM-OCR with its own prompt ("Text
+    Recognition:"), through the server: the same text as mlx-vlm's own generate on the same
+    model and image."""
     png = draw_png("circle")
     text = "Text Recognition:" if model == OCR else "What is in this picture?"
     reply = chat(server, [image_message(png, text)], model=model, max_tokens=12)

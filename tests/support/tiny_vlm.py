@@ -50,19 +50,23 @@ def _tokenizer(out: Path) -> dict[str, int]:
     return {name: vocab[name] for name in ["<|im_end|>", *VISION_SPECIALS]} | {"size": len(vocab)}
 
 
-def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) -> Path:
-    """A random-weight `qwen2_vl` folder that mlx-vlm's `load` accepts (a few MB): 2 text layers
-    (hidden 128), a 2-block vision tower; 14-pixel patches merged 2x2, so a 56x56 image is 4 tokens."""
+def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0, model_type: str = "qwen2_vl") -> Path:
+    """A random-weight `qwen2_vl` (or `qwen2_5_vl`) folder that mlx-vlm's `load` accepts (a few MB):
+    2 text layers (hidden 128), a 2-block vision tower; 14-pixel patches merged 2x2, so a 56x56
+    image is 4 tokens."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import qwen2_vl
     from mlx_vlm.utils import save_weights
+
+    arch = importlib.import_module(f"mlx_vlm.models.{model_type}")
 
     out.mkdir(parents=True, exist_ok=True)
     ids = _tokenizer(out)
     config = {
-        "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": model_type,
+        "architectures": ["Qwen2VLForConditionalGeneration" if model_type == "qwen2_vl" else "Qwen2_5_VLForConditionalGeneration"],
         "hidden_size": 128,
         "num_hidden_layers": 2,
         "intermediate_size": 256,
@@ -80,7 +84,7 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
         "vision_config": {
-            "model_type": "qwen2_vl",
+            "model_type": model_type,
             "depth": 2,
             "embed_dim": 64,
             "hidden_size": 128,
@@ -93,11 +97,14 @@ def build_tiny_qwen2_vl(out: Path, *, seed: int = 0, weight_scale: float = 4.0) 
             "mlp_ratio": 2,
         },
     }
-    model_config = qwen2_vl.ModelConfig.from_dict(json.loads(json.dumps(config)))
-    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(config["vision_config"])
-    model_config.text_config = qwen2_vl.TextConfig.from_dict(config)
+    if model_type == "qwen2_5_vl":  # a windowed tower: width 64 out to the text's 128, one full-attention block
+        config["vision_config"] |= {"hidden_size": 64, "intermediate_size": 128, "out_hidden_size": 128,
+                                    "window_size": 56, "fullatt_block_indexes": [1]}  # fmt: skip
+    model_config = arch.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    model_config.vision_config = arch.VisionConfig.from_dict(config["vision_config"])
+    model_config.text_config = arch.TextConfig.from_dict(config)
     mx.random.seed(seed)
-    model = qwen2_vl.Model(model_config)
+    model = arch.Model(model_config)
     weights = [(k, v * weight_scale if v.ndim == 2 else v) for k, v in tree_flatten(model.parameters())]
     model.load_weights(weights)
     model.set_dtype(mx.float32)
