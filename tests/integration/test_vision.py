@@ -145,6 +145,20 @@ def test_cache_hit_equals_miss_and_a_different_image_misses_from_its_block(serve
     assert answer(miss)[1] == 0 and answer(miss)[0] == answer(hit)[0]
 
 
+def test_a_later_turn_with_a_new_image_restores_the_first_and_answers_as_a_miss(server):
+    """Turn 2 adds a second image: the first turn (its image included) is restored, only the new
+    turn is computed (its image encoded, positions continuing after the first image's), and the
+    answer equals the one computed from nothing."""
+    first = [{"role": "system", "content": "You compare pictures."}, image_message(draw_png("circle"), "First.")]
+    one = chat(server, first)
+    second = [*first, {"role": "assistant", "content": answer(one)[0]}, image_message(draw_png("square"), "And this?")]
+    hit = chat(server, second)
+    assert answer(hit)[1] >= one["usage"]["prompt_tokens"] - 1
+    assert httpx.post(server.base_url + "/api/cache/clear", timeout=30).status_code == 200
+    miss = chat(server, second)
+    assert answer(miss)[1] == 0 and answer(miss)[0] == answer(hit)[0]
+
+
 def test_a_mixed_batch_of_text_and_vision_requests_equals_each_alone(server):
     """Two image prompts and two text prompts at once decode in shared steps (the step clock
     counts fewer loops than tokens) and answer exactly as each did alone."""
@@ -236,6 +250,15 @@ def test_anthropic_and_responses_images_answer_as_chat_does(server):
     }, timeout=120)  # fmt: skip
     assert resp.status_code == 200, resp.text
     assert resp.json()["output"][-1]["content"][0]["text"] == ref
+    tool_result = httpx.post(server.base_url + "/v1/messages", json={
+        "model": VLM, "max_tokens": 8, "temperature": 0, "messages": [
+            {"role": "user", "content": "Take a screenshot."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png).decode()}}]}]}],
+    }, timeout=120)  # fmt: skip
+    assert tool_result.status_code == 200, tool_result.text
+    assert "media_omitted" not in tool_result.text  # the model saw the screenshot, no placeholder
 
 
 def _png_claiming(width: int, height: int) -> bytes:
