@@ -75,15 +75,25 @@ def with_image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def load_images(refs: list[ImageRef], limits: ImageLimits, parts: Any) -> tuple[Any, Any, list[bytes]]:
     """(pixel_values, grid_thw, digests) of the request's images: remote ones fetched (when allowed),
     all decoded within the limits and run through the model's image processor, in a thread."""
+    import numpy as np
+
     from omlx.models.vision import process_images
 
     await fetch_remote(refs, limits)
     images = await asyncio.to_thread(decode_all, refs, limits)
     digests = [hashlib.sha256(r.data or b"").digest() for r in refs]
-    try:
-        pixel_values, grid = await asyncio.to_thread(process_images, parts, images)
-    except (ValueError, TypeError) as exc:  # the processor refuses sizes it cannot patch
-        raise InvalidRequestError(f"the image could not be prepared for this model: {exc}", param="messages") from None
+
+    def each() -> tuple[Any, Any]:
+        done = []
+        for ref, image in zip(refs, images, strict=True):  # one at a time: a refusal names its image
+            try:
+                done.append(process_images(parts, [image]))
+            except (ValueError, TypeError) as exc:  # the processor refuses shapes it cannot patch
+                raise InvalidRequestError(f"{ref.where}: the image cannot be prepared for this model: {exc}",
+                                          param=ref.where) from None  # fmt: skip
+        return np.concatenate([p for p, _ in done]), np.concatenate([g for _, g in done])
+
+    pixel_values, grid = await asyncio.to_thread(each)
     return pixel_values, grid, digests
 
 

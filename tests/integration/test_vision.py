@@ -277,6 +277,7 @@ BAD_IMAGES = {
     "too many pixels": ("image/png", base64.b64encode(_png_claiming(60_000, 60_000)).decode(), "pixels"),
     "too many bytes": ("image/png", base64.b64encode(b"\x89PNG" + bytes(MAX_IMAGE_BYTES)).decode(), "larger than"),
     "unsupported type": ("image/tiff", base64.b64encode(draw_png("circle")).decode(), "unsupported image media type"),
+    "a shape the model cannot patch": ("image/png", base64.b64encode(draw_png("stripes", (3000, 2))).decode(), "cannot be prepared"),
 }
 
 
