@@ -31,7 +31,10 @@ if [ "$extra" = test ]; then
   # datasets and pandas out. One dry run checks that the full omlx[vision] extra still resolves
   # without moving mlx (docs/design/vision.md).
   .venv/bin/python -m pip install -q --no-deps "mlx-vlm>=0.7.10,<0.8" "Pillow>=10.3"
-  bash scripts/check_vision_extra.sh || echo "note: the full omlx[vision] extra could not be checked (see above)" >&2
+  # exit 1 (the full extra would move mlx) fails the setup; exit 2 (pip could not resolve it, e.g. offline) is a note
+  rc=0; bash scripts/check_vision_extra.sh || rc=$?
+  if [ "$rc" = 1 ]; then exit 1; fi
+  if [ "$rc" != 0 ]; then echo "note: the full omlx[vision] extra could not be checked (see above)" >&2; fi
 fi
 # A real BLAS makes float32 on a Linux CPU ~16x faster; install it when we can (root + apt).
 if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
