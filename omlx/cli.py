@@ -168,7 +168,8 @@ def models_list(
         print(f"No models in {root}.")
     for model_id, info in sorted(found.models.items()):
         ctx = info.context_length or "?"
-        print(f"{model_id}\t{info.type}\tctx={ctx}\t{info.weight_bytes / 1e6:.1f} MB\t{info.path}")
+        kind = f"{info.type}+vision" if info.vision else info.type
+        print(f"{model_id}\t{kind}\tctx={ctx}\t{info.weight_bytes / 1e6:.1f} MB\t{info.path}")
     for problem in found.problems:
         print(f"skipped {problem.path}: {problem.reason}")
 

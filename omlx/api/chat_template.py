@@ -17,8 +17,9 @@ TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refu
 
 
 def content_text(content: Any, param: str, media: MediaPolicy, in_tool_result: bool = False) -> str:
-    """Flatten OpenAI / Responses content parts to text: images and files follow `media`
-    (a placeholder inside a tool result, else a 400), parts of unknown types are dropped."""
+    """Flatten OpenAI / Responses content parts to text: images and files follow `media` (a
+    vision model's image mark; else a placeholder inside a tool result, else a 400), parts of
+    unknown types are dropped."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -43,7 +44,9 @@ def content_text(content: Any, param: str, media: MediaPolicy, in_tool_result: b
             if not isinstance(text, str):
                 raise InvalidRequestError(f"{where}.{TEXT_PARTS[kind]} must be a string.", param=f"{where}.{TEXT_PARTS[kind]}")
             out.append(text)
-        elif kind in IMAGE_KINDS or kind in DOCUMENT_KINDS:
+        elif kind in IMAGE_KINDS:
+            out.append(media.image(kind, part, where, in_tool_result))
+        elif kind in DOCUMENT_KINDS:
             if not in_tool_result:
                 raise media.refuse(kind, where)
             out.append(media.placeholder(kind, where))

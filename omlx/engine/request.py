@@ -53,6 +53,8 @@ class GenerationRequest:
     # what the output is held to (`constraints.Constraint`: a grammar, reasoning, a thinking
     # budget), built once per request; None: nothing
     constraint: Any = None
+    # a vision prompt's images (`vision_input.VisionInput`): prefilled by the engine with their features
+    vision: Any = None
     created: float = field(default_factory=time.time)
 
 

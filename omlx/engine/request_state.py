@@ -65,6 +65,7 @@ class RequestState:
     processors: list[Any] = field(default_factory=list)
     stop_sequences: Any = None
     solo: Any = None  # its SoloSequence while it runs outside the BatchGenerator
+    rope_delta: int = 0  # a vision prompt's M-RoPE delta (engine/vision_lm.py), which its cache carries
     captures: Any = None  # a stateful model's layer-state snapshots (`Captures`), for its stores
     store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
     first_token: float | None = None

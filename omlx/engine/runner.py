@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from omlx.cache.interface import PrefixCacheInterface
 from omlx.cache.loader.loading import Loading
 from omlx.cache.plan.restore_plan import RestorePlan
-from omlx.engine import load_warmup
+from omlx.engine import load_warmup, vision_admit
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.config import EngineConfig
 from omlx.engine.device_fault import DEVICE
@@ -122,6 +122,8 @@ class Runner:
         self.stores.clear()
 
     def _batch_insert(self, state: RequestState, todo: list[int], cache: Any, fed: list[int], max_tokens: int) -> None:
+        if vision_admit.is_vision(self.model):
+            cache = vision_admit.batch_cache(self.model, cache, state)
         state.uid = self.bg.insert(
             [todo],
             max_tokens=[max_tokens],
@@ -280,7 +282,10 @@ class Runner:
         looked = time.perf_counter()
         cache, cached = self.cache.cache_for(loading, lambda c, n: self._fit(c, n, state.plan, alone, step))
         state.cache_report = loading.report
-        own = self._owns_prefill(len(tokens) - cached, alone)
+        own = self._owns_prefill(len(tokens) - cached, alone) or req.vision is not None
+        vision = None
+        if req.vision is not None:  # its chunks carry the images' features (vision_admit.py)
+            cache, vision = vision_admit.solo_parts(self.model, state, cache, cached)
         if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
             now = time.perf_counter()
             log.debug(
@@ -293,7 +298,7 @@ class Runner:
             state.solo = SoloSequence(
                 self.model, tokens[cached:], cache=cache, cached=tokens[:cached], sampler=state.sampler,
                 logits_processors=state.processors, prefill_step_size=step, quantum=self.quantum, shapes=self.shapes,
-                captures=state.captures, clock=self.clock,
+                captures=state.captures, clock=self.clock, vision=vision,
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
         else:

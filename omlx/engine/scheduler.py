@@ -266,6 +266,7 @@ class Scheduler:
         assert self.memory is not None
         req = state.request
         need = budget.reservation(len(req.prompt_tokens), req.max_tokens) * budget.bytes_per_token
+        need += getattr(req.vision, "activation_bytes", 0)  # an image prompt's vision tower, for its prefill
         held = self.kv_held()
         short = held + need - self.memory.room(held)
         return short <= 0 or self.memory.yield_memory(short) >= short

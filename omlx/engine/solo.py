@@ -154,6 +154,7 @@ class SoloSequence:
         shapes: PrefillShapes | None = None,
         captures: Captures | None = None,
         clock: StepClock | None = None,
+        vision: Any = None,
     ):
         if not prompt:
             raise ValueError("a solo sequence needs at least one prompt token to feed")
@@ -170,6 +171,9 @@ class SoloSequence:
         self.shapes = shapes  # where the chunks fed are recorded, if anywhere
         self.captures = captures  # a stateful model's layer states, taken at block boundaries
         self.clock = clock  # where its decode steps' time goes, if anywhere
+        # a vision prompt's chunks' image features and positions (`vision_lm.VisionPrefill`); its
+        # cache carries the rope delta, so it is never padded (plain_kv is false)
+        self.vision = vision
         # The sampled token (and its logprobs) that has not been returned yet: set once the
         # prompt is fed; after that, always one forward pass ahead of what was returned.
         self.pending: tuple[mx.array, mx.array] | None = None
@@ -186,7 +190,8 @@ class SoloSequence:
         if n:
             chunk = self.todo[:n]
             pad = self.padding(n)
-            self.model(mx.array(chunk + chunk[-1:] * pad)[None], cache=self.cache)
+            extra = self.vision.chunk(len(self.fed), n) if self.vision is not None else {}
+            self.model(mx.array(chunk + chunk[-1:] * pad)[None], cache=self.cache, **extra)
             if self.shapes is not None:
                 self.shapes.add(1, n + pad, len(self.fed) + n + pad)
             for c in self.cache if pad else ():
@@ -285,7 +290,7 @@ def feed_chunks_together(seqs: list[SoloSequence]) -> list[bool]:
     groups: dict[tuple[int, int], list[SoloSequence]] = {}
     for seq in seqs:
         n = seq.chunk_len()
-        if n and (not seq.fed or n < seq.step_size) and plain_kv(seq.cache):
+        if n and (not seq.fed or n < seq.step_size) and plain_kv(seq.cache) and seq.vision is None:
             groups.setdefault((len(seq.fed), n + seq.padding(n)), []).append(seq)
         else:
             seq.feed_chunk()

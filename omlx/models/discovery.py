@@ -29,6 +29,7 @@ class ModelInfo:
     weight_bytes: int = 0
     # The folder that is this model's own: `path`, or its hub-cache `models--org--name` folder.
     root: Path | None = None
+    vision: bool = False  # a vision-language model: it accepts images (models/vision.py)
 
     def __post_init__(self) -> None:
         if self.root is None:
@@ -72,6 +73,12 @@ def model_type_from_config(path: Path, config: dict[str, Any]) -> str:
     return "llm"
 
 
+def is_vision_config(config: dict[str, Any]) -> bool:
+    """A vision-language (or OCR) model: its config has a `vision_config` (every mlx-vlm VLM's does);
+    needs nothing installed, so a VLM is never mistaken for a text model (models/vision.py)."""
+    return isinstance(config.get("vision_config"), dict)
+
+
 def inspect_folder(path: Path) -> ModelInfo | Problem | None:
     """A ModelInfo, a Problem for a folder that looks like a broken model, or None."""
     config_path = path / "config.json"
@@ -93,7 +100,9 @@ def inspect_folder(path: Path) -> ModelInfo | Problem | None:
     except (OSError, ValueError) as exc:
         return Problem(path, f"unreadable config.json: {exc}")
     size = sum(w.stat().st_size for w in weights)
-    return ModelInfo(id="", path=path, type=model_type_from_config(path, config), config=config, weight_bytes=size)
+    kind = model_type_from_config(path, config)
+    vision = kind == "llm" and is_vision_config(config)
+    return ModelInfo(id="", path=path, type=kind, config=config, weight_bytes=size, vision=vision)
 
 
 def is_revision(ref: str) -> bool:

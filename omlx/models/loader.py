@@ -33,6 +33,7 @@ class LoadedLLM:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     compute_dtype: str
     context_length: int
+    vision: Any = None  # a VLM's `models.vision.VisionParts`; None for a text model
 
 
 def resolve_compute_dtype(setting: str) -> str:
@@ -52,6 +53,12 @@ def load_llm(
     """Load weights and tokenizer; must run on the engine's thread (it makes MLX calls).
     With `kept_root`, a model dequantized here is saved there once and later read back."""
     dtype = resolve_compute_dtype(compute_dtype)
+    if info.vision:  # through mlx-vlm, never as a text model (models/vision.py)
+        from omlx.models.vision import load_vlm
+
+        model, tokenizer, parts = load_vlm(info, DTYPES.get(dtype))
+        context = min(info.context_length or 4096, context_cap or 1 << 30)
+        return LoadedLLM(info, model, tokenizer, dtype, context, vision=parts)
     kept = None
     if kept_root is not None and dtype in DTYPES and kept_weights.converts(info.config):
         kept = kept_weights.kept_dir(kept_root, info, dtype)

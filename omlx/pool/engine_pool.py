@@ -27,6 +27,7 @@ from omlx.errors import (
     OMLXError,
 )
 from omlx.models.discovery import Discovery, ModelInfo, discover_models
+from omlx.models.vision import check_servable
 from omlx.pool.memory import estimate_model_bytes
 from omlx.pool.memory_guard import MemoryGuard
 from omlx.pool.model_settings import GenerationDefaults, ModelSettings, ModelSettingsStore
@@ -176,6 +177,13 @@ class EnginePool:
         finally:
             self.release(engine)
 
+    def accepts_images(self, name: str) -> bool:
+        """Whether `name` resolves to a vision-language model (False for unknown names: the lease says why)."""
+        try:
+            return self.resolve(name).info.vision
+        except ModelNotFoundError:
+            return False
+
     async def acquire(self, name: str, kind: str | None = None) -> tuple[Any, Resolved]:
         """Like `lease`, for callers that release later (streams): pair with `release()`."""
         resolved = self.resolve(name)
@@ -203,6 +211,8 @@ class EnginePool:
         entry = self.entries.get(model_id)
         if entry is not None:
             return entry
+        if resolved.info.vision:  # a 400 naming the extra (or the architecture), never a text-only load
+            await asyncio.to_thread(check_servable, resolved.info)  # its first call imports mlx-vlm
         lock = self._model_locks.setdefault(model_id, asyncio.Lock())
         async with lock:  # concurrent first requests share one load
             entry = self.entries.get(model_id)

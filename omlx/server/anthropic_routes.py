@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -32,15 +33,15 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     render_turn,
 )
-from omlx.server.openai_routes import default_max_tokens, with_llm
+from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
+from omlx.server.vision_prompt import expand, load_images, with_image_parts
 
 router = APIRouter()
 
 
-def _turn(body: MessagesRequest) -> ChatTurn:
+def _turn(body: MessagesRequest, media: MediaPolicy) -> ChatTurn:
     tools = tool_specs(body.tools)
-    media = MediaPolicy(body.model)
     return ChatTurn(
         messages=to_chat_messages(body, media),
         tools=tools,
@@ -53,12 +54,14 @@ def _turn(body: MessagesRequest) -> ChatTurn:
         output_format=anthropic_output_format(body.output_config, body.output_format),
         thinking_budget=thinking_budget(body.thinking),
         warnings=media.warnings,
+        images=media.images,
+        image_limits=media.limits,
     )
 
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    turn = _turn(body)  # checked before the model is leased (or loaded)
+    turn = _turn(body, media_policy(request, body.model))  # checked before the model is leased (or loaded)
     return await with_llm(request, body.model, lambda e, r: _messages(body, turn, request, e, r))
 
 
@@ -116,8 +119,9 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, events: MessageEven
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     tools = tool_specs(body.tools)  # checked before the model is leased (or loaded)
+    media = media_policy(request, body.model)
     turn = ChatTurn(
-        messages=to_chat_messages(body),
+        messages=to_chat_messages(body, media),
         tools=tools,
         tool_choice=tool_choice_name(body.tool_choice, tools),
         template_kwargs=thinking_kwargs(body.thinking),
@@ -125,5 +129,11 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     tools = None if turn.tool_choice == "none" else turn.tools
     async with request.app.state.pool.lease(body.model, "llm") as (engine, _resolved):
         native = bool(tools) and template_supports_tools(engine.tokenizer)
+        parts = getattr(engine.loaded, "vision", None)
+        if media.images:  # counted as the prompt would hold them (vision_prompt.py)
+            _, grid, digests = await load_images(media.images, media.limits, parts)
+            turn = replace(turn, messages=with_image_parts(turn.messages))
         tokens, _ = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native)
+        if media.images:
+            tokens, _ = expand(tokens, parts, grid, digests)
     return {"input_tokens": len(tokens)}

@@ -11,14 +11,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from omlx.api.media import MediaPolicy
 from omlx.api.openai_models import ChatCompletionRequest, ChatMessage
-from omlx.api.tool_specs import openai_tool_choice, openai_tools
 from omlx.api.wire import Lenient
 from omlx.cache.plan.why import explain, plan_dict
 from omlx.errors import InvalidRequestError
-from omlx.server.chat_pipeline import ChatTurn, render_prompt
-from omlx.server.openai_chat import chat_messages
+from omlx.server.chat_pipeline import render_prompt
+from omlx.server.openai_chat import chat_turn
+from omlx.server.openai_routes import media_policy
 
 router = APIRouter(prefix="/api")
 
@@ -42,18 +41,14 @@ def explain_on_engine(engine: Any, tokens: list[int]) -> dict[str, Any]:
     return {**explain(plan).to_dict(), "plan": plan_dict(plan)}
 
 
-async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, memory: Any = None) -> list[int]:
-    """The tokens the request would send to the engine (its messages rendered, with the answers this
-    server generated as generated (`memory`, the app's turn memory), or its prompt)."""
+async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, request: Request) -> list[int]:
+    """The tokens the request would send to the engine: its messages rendered as the chat route
+    renders them (the same turn, media policy and turn memory), or its prompt."""
     if body.messages is not None:
-        tools = openai_tools(body.tools)
-        turn = ChatTurn(
-            messages=chat_messages(ChatCompletionRequest(model=body.model, messages=body.messages), MediaPolicy(body.model)),
-            tools=tools,
-            tool_choice=openai_tool_choice(body.tool_choice, tools),
-            template_kwargs=dict(body.chat_template_kwargs or {}),
-        )
-        return (await render_prompt(engine, resolved, turn, memory))[0]
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
+                                     tool_choice=body.tool_choice, chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
+        turn = chat_turn(chat, media_policy(request, body.model))
+        return (await render_prompt(engine, resolved, turn, request.app.state.turn_memory)).tokens
     if isinstance(body.prompt, str):
         tokens = list(await asyncio.to_thread(engine.tokenizer.encode, body.prompt))
     else:
@@ -72,6 +67,6 @@ async def cache_explain(body: CacheExplainBody, request: Request) -> dict[str, A
     if (body.messages is None) == (body.prompt is None):  # before a model is leased (or loaded)
         raise InvalidRequestError("Give exactly one of messages or prompt.", param="messages")
     async with request.app.state.pool.lease(body.model, "llm") as (engine, resolved):
-        tokens = await prompt_tokens(engine, resolved, body, getattr(request.app.state, "turn_memory", None))
+        tokens = await prompt_tokens(engine, resolved, body, request)
         answer = await engine.call(lambda: explain_on_engine(engine, tokens))
         return {"model": resolved.info.id, "prompt_tokens": len(tokens), **answer}

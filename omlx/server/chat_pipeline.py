@@ -12,10 +12,11 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omlx.api.chat_template import TURN_MARK, encode_spliced, render_text
+from omlx.api.images import ImageLimits, ImageRef
 from omlx.api.output_format import OutputFormat
 from omlx.api.output_parser import OutputParser
 from omlx.api.tool_call_formats import detect_family, prompt_opens_reasoning
@@ -23,12 +24,14 @@ from omlx.api.tool_calls import OutputWarning, ReasoningDelta, TextDelta, ToolCa
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_id
+from omlx.engine.vision_input import VisionInput
 from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.generation import completion_budget, event_error, sampling_params
 from omlx.server.log_setup import bind
 from omlx.server.structured import build_constraint, tool_forcing
 from omlx.server.turn_memory import GeneratedTurn, TurnMemory, answer_prefill
+from omlx.server.vision_prompt import check_sampling, expand, load_images, with_image_parts
 
 log = logging.getLogger("omlx.server")
 
@@ -50,6 +53,8 @@ class ChatTurn:
     output_format: OutputFormat | None = None  # held to it (docs/design/structured-output.md)
     thinking_budget: int | None = None  # reasoning tokens before the end of thinking is forced
     warnings: list[OutputWarning] = field(default_factory=list)  # found in the request (images …)
+    images: list[ImageRef] = field(default_factory=list)  # a vision model's, in the order of their marks
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
 
 @dataclass
@@ -166,21 +171,40 @@ def _prefill(engine: LLMEngine, template_kwargs: dict[str, Any]) -> str:
     return cache[key]
 
 
+@dataclass
+class RenderedPrompt:
+    tokens: list[int]
+    recalled: int  # earlier assistant turns found in the turn memory, rendered as generated
+    rewritten: int  # how many of them the chat template rewrote
+    vision: VisionInput | None = None  # the images' pixels and where their tokens lie
+
+
 async def render_prompt(
     engine: LLMEngine, resolved: Resolved, turn: ChatTurn, memory: TurnMemory | None = None
-) -> tuple[list[int], int, int]:
+) -> RenderedPrompt:
     """The prompt tokens `turn` renders to with the model's chat template, its tools and the model's
     template defaults (a thread: templates of long histories are slow), earlier assistant turns
-    this server generated rendered as generated (`memory`); with how many such turns were found
-    and how many of them the template rewrote. `prepare_chat` and `POST /api/cache/explain` both
-    render through here."""
+    this server generated rendered as generated (`memory`), images expanded to their keyed tokens.
+    `prepare_chat` and `POST /api/cache/explain` both render through here."""
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(engine.tokenizer)
     turn.template_kwargs = {**(resolved.defaults.chat_template_kwargs or {}), **turn.template_kwargs}
     recalled = recall_turns(memory, engine.model_id, turn.messages)
     prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
-    prompt, rewritten = await asyncio.to_thread(render_turn, engine.tokenizer, turn, tools, native, recalled, prefill)
-    return prompt, len(recalled), len(rewritten)
+    parts = getattr(engine.loaded, "vision", None)
+    if turn.images:
+        if parts is None:
+            raise InvalidRequestError(f"model '{engine.model_id}' cannot read images.", param="messages")
+        pixel_values, grid, digests = await load_images(turn.images, turn.image_limits, parts)
+        shown = replace(turn, messages=with_image_parts(turn.messages))
+    else:
+        shown = turn
+    prompt, rewritten = await asyncio.to_thread(render_turn, engine.tokenizer, shown, tools, native, recalled, prefill)
+    vision = None
+    if turn.images:
+        prompt, spans = expand(prompt, parts, grid, digests)
+        vision = VisionInput(pixel_values, grid, spans, parts.activation_bytes(grid))
+    return RenderedPrompt(prompt, len(recalled), len(rewritten), vision)
 
 
 async def prepare_chat(
@@ -194,7 +218,8 @@ async def prepare_chat(
     native = bool(tools) and template_supports_tools(tokenizer)
     family = _family(engine) if native or not tools else "hermes"
     request_id = new_request_id(turn.id_prefix)
-    prompt, recalled, rewritten = await render_prompt(engine, resolved, turn, memory)
+    rendered = await render_prompt(engine, resolved, turn, memory)
+    prompt, rewritten, recalled, vision = rendered.tokens, rendered.rewritten, rendered.recalled, rendered.vision
     if rewritten:
         log.info(
             "request=%s: the chat template rewrote %d of the %d earlier assistant turns sent back as generated "
@@ -214,6 +239,8 @@ async def prepare_chat(
     sampling = sampling_params(
         turn.sampling, defaults, seed=turn.seed, logit_bias=turn.logit_bias, vocab_size=engine.model_vocab_size
     )
+    if vision is not None:
+        check_sampling(sampling)
     constraint, family = await build_constraint(
         engine, fmt=turn.output_format, forcing=tool_forcing(tools, turn.tool_choice, turn.output_format is not None),
         family=family, starts_in_reasoning=starts_in_reasoning, budget=turn.thinking_budget,
@@ -226,6 +253,7 @@ async def prepare_chat(
         stop=turn.stop,
         logprobs=turn.logprobs,
         constraint=constraint,
+        vision=vision,
     )
     bind(request_id=request.request_id)
     return PreparedChat(

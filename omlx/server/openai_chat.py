@@ -30,7 +30,7 @@ from omlx.server.chat_pipeline import (
     run_chat,
 )
 from omlx.server.generation import SAMPLING_FIELDS, fan_out
-from omlx.server.openai_routes import chat_logprobs, default_max_tokens, with_llm
+from omlx.server.openai_routes import chat_logprobs, default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 from omlx.server.structured import effort_budget
 
@@ -57,10 +57,9 @@ def chat_messages(req: ChatCompletionRequest, media: MediaPolicy) -> list[dict[s
     return out
 
 
-def _turn(body: ChatCompletionRequest) -> ChatTurn:
+def chat_turn(body: ChatCompletionRequest, media: MediaPolicy) -> ChatTurn:
     """The request as a chat turn, checked before any model is leased."""
     tools = openai_tools(body.tools)
-    media = MediaPolicy(body.model)
     return ChatTurn(
         messages=chat_messages(body, media),
         tools=tools,
@@ -78,6 +77,8 @@ def _turn(body: ChatCompletionRequest) -> ChatTurn:
             else effort_budget(body.reasoning_effort, "reasoning_effort")
         ),
         warnings=media.warnings,
+        images=media.images,
+        image_limits=media.limits,
     )
 
 
@@ -85,7 +86,7 @@ def _turn(body: ChatCompletionRequest) -> ChatTurn:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     if (body.max_completion_tokens or body.max_tokens) == 0:
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
-    turn = _turn(body)
+    turn = chat_turn(body, media_policy(request, body.model))
     return await with_llm(request, body.model, lambda e, r: _chat(body, turn, request, e, r))
 
 

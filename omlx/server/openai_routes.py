@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from omlx.api.images import ImageLimits
+from omlx.api.media import MediaPolicy
 from omlx.api.openai_models import CompletionRequest, SamplingFields
 from omlx.api.output_format import completion_format
 from omlx.engine.llm_engine import LLMEngine
@@ -77,6 +79,11 @@ def completion_logprobs(
 
 def _pool(request: Request) -> Any:
     return request.app.state.pool
+
+
+def media_policy(request: Request, model: str) -> MediaPolicy:
+    """The request's media policy: images kept for a vision model, within the server's limits."""
+    return MediaPolicy(model, _pool(request).accepts_images(model), ImageLimits.of(request.app.state.settings))
 
 
 async def with_llm(request: Request, model: str, handler: Callable[..., Awaitable[Any]]) -> Any:
@@ -281,6 +288,8 @@ def model_card(info: Any, pool: Any) -> dict[str, Any]:
         "type": pool.model_settings.get(info.id).type or info.type,
         "context_length": context,
         "max_model_len": context,
+        "vision": info.vision,  # accepts images (a vision-language model)
+        "input_modalities": ["text", "image"] if info.vision else ["text"],
         "state": pool.state_of(info.id),
     }
 

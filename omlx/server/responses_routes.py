@@ -29,10 +29,11 @@ from omlx.server.chat_pipeline import (
     parsed_events,
     prepare_chat,
 )
-from omlx.server.openai_routes import default_max_tokens, with_llm
+from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.responses_events import Event, ResponseEvents
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 from omlx.server.structured import effort_budget
+from omlx.server.vision_prompt import images_apart, with_images
 
 router = APIRouter()
 
@@ -51,12 +52,15 @@ def conversation_for(body: ResponsesRequest, store: ResponseStore, media: MediaP
                 param="previous_response_id",
             )
         history = [m for m in found[1] if m["role"] != "system"]
-    return history + items_to_messages(input_items(body.input), media)
+    history, images = images_apart(history)  # a stored turn's images come back with it
+    new = items_to_messages(input_items(body.input), media)
+    media.images[:0] = images
+    return history + new
 
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    media = MediaPolicy(body.model)
+    media = media_policy(request, body.model)
     messages = conversation_for(body, _store(request), media)  # checked before the model is leased
     if body.instructions:
         messages = [{"role": "system", "content": body.instructions}, *messages]
@@ -76,12 +80,14 @@ async def create_response(body: ResponsesRequest, request: Request):
             else effort_budget((body.reasoning or {}).get("effort"), "reasoning.effort")
         ),
         warnings=media.warnings,
+        images=media.images,
+        image_limits=media.limits,
     )
     return await with_llm(request, body.model, lambda e, r: _create(body, turn, request, e, r))
 
 
 async def _create(body: ResponsesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
-    messages = turn.messages
+    messages = with_images(turn.messages, turn.images)  # as stored for previous_response_id
     prepared = await prepare_chat(
         engine, resolved, turn, default_max_tokens(request, resolved.defaults), request.app.state.turn_memory
     )

@@ -188,6 +188,20 @@ def test_a_request_whose_reservation_does_not_fit_waits_first_in_line() -> None:
     assert admit_all(sched) == ["b", "c"]  # alone again: b goes; c's small reservation fits
 
 
+def test_an_image_prompt_reserves_its_vision_tower_s_activations_too() -> None:
+    import numpy as np
+
+    from omlx.engine.vision_input import VisionInput
+
+    sched, memory = memory_sched(room=1000)
+    sched.submit(state("a", list(range(100)), max_tokens=100))  # reserves 200
+    image = state("image", list(range(100)), max_tokens=100)  # reserves 200 of KV, and its encoder's peak
+    image.request.vision = VisionInput(np.zeros((16, 4)), np.array([[1, 4, 4]]), [(10, 4)], activation_bytes=700)
+    sched.submit(image)
+    assert admit_all(sched) == ["a"]
+    assert memory.asked == [200 + 200 + 700 - 1000]
+
+
 def test_the_hot_tier_yields_before_a_request_waits() -> None:
     for hot, admitted in ((10**6, ["a", "b"]), (50, ["a"])):
         sched, memory = memory_sched(room=600, hot=hot)

@@ -1,0 +1,30 @@
+"""A vision prompt's images as the engine takes them (numpy, no MLX: built on the asyncio side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class VisionInput:
+    """A prompt's images, ready for the vision tower: `pixel_values` as the model's image
+    processor made them (all images' patches, in order), `grid_thw` (n, 3) per image, and where
+    each image's tokens lie in the prompt (`spans`: start, length)."""
+
+    pixel_values: np.ndarray
+    grid_thw: np.ndarray
+    spans: list[tuple[int, int]]
+    activation_bytes: int = 0  # the vision tower's estimated peak, which admission reserves too
+
+    def patches(self, i: int) -> tuple[int, int]:
+        """Image `i`'s rows of `pixel_values` (start, end)."""
+        counts = self.grid_thw.prod(axis=1)
+        start = int(counts[:i].sum())
+        return start, start + int(counts[i])
+
+    @property
+    def end(self) -> int:
+        """The index after the last image token."""
+        return max(s + n for s, n in self.spans) if self.spans else 0
