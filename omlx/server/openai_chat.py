@@ -29,7 +29,8 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     run_chat,
 )
-from omlx.server.generation import SAMPLING_FIELDS, fan_out
+from omlx.server.generation import SAMPLING_FIELDS, fan_out, usage_dict
+from omlx.server.mcp_loop import LoopOptions, loop_options, offered, run_tool_loop
 from omlx.server.openai_routes import chat_logprobs, default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 from omlx.server.structured import effort_budget
@@ -57,9 +58,12 @@ def chat_messages(req: ChatCompletionRequest, media: MediaPolicy) -> list[dict[s
     return out
 
 
-def _turn(body: ChatCompletionRequest) -> ChatTurn:
-    """The request as a chat turn, checked before any model is leased."""
+def _turn(body: ChatCompletionRequest, mcp_tools: list[dict[str, Any]] | None = None) -> ChatTurn:
+    """The request as a chat turn, checked before any model is leased; `mcp_tools` are offered
+    besides the request's own (the MCP tool loop)."""
     tools = openai_tools(body.tools)
+    if mcp_tools:
+        tools = [*(tools or []), *mcp_tools]
     media = MediaPolicy(body.model)
     return ChatTurn(
         messages=chat_messages(body, media),
@@ -85,8 +89,37 @@ def _turn(body: ChatCompletionRequest) -> ChatTurn:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     if (body.max_completion_tokens or body.max_tokens) == 0:
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
+    loop = loop_options(body.mcp, request.app.state.settings.mcp_max_rounds)
+    if loop is not None:
+        if body.stream or body.n > 1:
+            raise InvalidRequestError("The MCP tool loop (\"mcp\") takes stream false and n 1.", param="mcp")
+        loop.tools = offered(getattr(request.app.state, "mcp", None), loop, openai_tools(body.tools))
+        turn = _turn(body, [t.spec() for t in loop.tools])
+        return await with_llm(request, body.model, lambda e, r: _chat_loop(body, turn, loop, request, e, r))
     turn = _turn(body)
     return await with_llm(request, body.model, lambda e, r: _chat(body, turn, request, e, r))
+
+
+async def _chat_loop(body: ChatCompletionRequest, turn: ChatTurn, loop: LoopOptions, request: Request,
+                     engine: LLMEngine, resolved: Resolved) -> JSONResponse:
+    """The answer after the server ran the MCP tools the model called; `mcp` says what it added."""
+    state = request.app.state
+    done = await run_tool_loop(engine, resolved, turn, getattr(state, "mcp", None), loop,
+                               default_max_tokens(request, resolved.defaults), state.turn_memory)
+    created = int(time.time())
+    rid = done.request_id
+    chunks = ChatChunks(rid, body.model, created)
+    chunks.feed(0, done.result.deltas)
+    final = done.result.final
+    final.warnings = [*final.warnings, *done.warnings]
+    lp = chat_logprobs(engine.tokenizer, [x for ev in done.result.events for x in ev.logprobs]) if body.logprobs else None
+    usage = usage_dict(sum(r["prompt_tokens"] for r in done.rounds), sum(r["completion_tokens"] for r in done.rounds),
+                       sum(r["cached_tokens"] for r in done.rounds))
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": body.model,
+        "system_fingerprint": None, "choices": [chunks.choice_body(0, final, lp)], "usage": usage,
+        "mcp": {"rounds": done.rounds, "messages": done.messages},
+    })
 
 
 async def _chat(body: ChatCompletionRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
