@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from omlx.api.chat_template import normalize_tool_calls
-from omlx.api.tool_calls import OutputWarning, ToolCall
+from omlx.api.tool_calls import OutputWarning, ReasoningDelta, TextDelta, ToolCall
 from omlx.engine.llm_engine import LLMEngine
+from omlx.engine.request import GenerationEvent
 from omlx.errors import InvalidRequestError, OMLXError
 from omlx.mcp.manager import McpManager, McpTool
 from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_chunks import ChoiceState
-from omlx.server.chat_pipeline import ChatResult, ChatTurn, prepare_chat, run_chat
+from omlx.server.chat_pipeline import ChatResult, ChatTurn, final_from, parsed_events, prepare_chat
 from omlx.server.turn_memory import TurnMemory
 
 
@@ -83,11 +85,27 @@ async def _run_call(manager: McpManager, call: ToolCall) -> str:
     return f"Error: {text}" if result.is_error and not text.lower().startswith("error") else text
 
 
-async def run_tool_loop(
+@dataclass
+class Step:
+    """One engine event of the current round and the parsed deltas it produced."""
+
+    deltas: list[Any]
+    event: GenerationEvent
+
+
+@dataclass
+class Ran:
+    """A round's MCP calls ran: its answer and their results, as OpenAI chat messages."""
+
+    messages: list[dict[str, Any]]
+
+
+async def tool_loop(
     engine: LLMEngine, resolved: Resolved, turn: ChatTurn, manager: McpManager | None, options: LoopOptions,
     default_max_tokens: int, memory: TurnMemory | None,
-) -> LoopResult:
-    """Generate, run the MCP calls, feed the results back, until an answer needs none of them.
+) -> AsyncIterator[Step | Ran | LoopResult]:
+    """Generate, run the MCP calls, feed the results back, until an answer needs none of them:
+    every engine event (`Step`), each round whose calls ran (`Ran`), then the `LoopResult`.
     `turn.tools` already holds `options.tools`."""
     names = {t.name for t in options.tools}
     rounds: list[dict[str, int]] = []
@@ -96,14 +114,24 @@ async def run_tool_loop(
     for k in range(options.max_rounds):
         prepared = await prepare_chat(engine, resolved, turn, default_max_tokens, memory)
         engine.reserve([prepared.request])
+        parser = prepared.new_parser()
+        deltas: list[Any] = []
+        events: list[GenerationEvent] = []
+        final = None
         try:
-            result = await run_chat(engine, prepared)
+            async for batch, ev in parsed_events(engine.generate(prepared.request), parser, prepared):
+                events.append(ev)
+                deltas += batch
+                if ev.finish_reason is not None:
+                    final = final_from(ev, parser, prepared)
+                yield Step(batch, ev)
         finally:
             engine.release([prepared.request])
-        final = result.final
+        assert final is not None
+        result = ChatResult(deltas, final, events)
         rounds.append({"prompt_tokens": final.prompt_tokens, "cached_tokens": final.cached_tokens,
                        "completion_tokens": final.completion_tokens})  # fmt: skip
-        calls = [d for d in result.deltas if isinstance(d, ToolCall)]
+        calls = [d for d in deltas if isinstance(d, ToolCall)]
         if not calls or any(c.name not in names for c in calls) or manager is None:
             break
         if k == options.max_rounds - 1:
@@ -114,12 +142,14 @@ async def run_tool_loop(
             break
         outputs = await asyncio.gather(*(_run_call(manager, c) for c in calls))
         state = ChoiceState()
-        state.text = [d.text for d in result.deltas if type(d).__name__ == "TextDelta"]
-        state.reasoning = [d.text for d in result.deltas if type(d).__name__ == "ReasoningDelta"]
+        state.text = [d.text for d in deltas if isinstance(d, TextDelta)]
+        state.reasoning = [d.text for d in deltas if isinstance(d, ReasoningDelta)]
         state.calls = calls
         message = state.message()
-        results = [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": out} for c, out in zip(calls, outputs, strict=True)]
+        results = [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": out}
+                   for c, out in zip(calls, outputs, strict=True)]  # fmt: skip
         added += [message, *results]
+        yield Ran([message, *results])
         internal = {"role": "assistant", "content": message["content"] or "",
                     "tool_calls": normalize_tool_calls(message["tool_calls"], "mcp")}  # fmt: skip
         if message.get("reasoning_content"):
@@ -127,4 +157,15 @@ async def run_tool_loop(
         turn.messages = [*turn.messages, internal, *results]
         if turn.tool_choice not in (None, "none", "auto"):
             turn.tool_choice = "auto"  # a forced choice holds the first round only
-    return LoopResult(result, rounds, added, warnings, prepared.request.request_id)
+    yield LoopResult(result, rounds, added, warnings, prepared.request.request_id)
+
+
+async def run_tool_loop(
+    engine: LLMEngine, resolved: Resolved, turn: ChatTurn, manager: McpManager | None, options: LoopOptions,
+    default_max_tokens: int, memory: TurnMemory | None,
+) -> LoopResult:
+    """`tool_loop` run to its end."""
+    async for item in tool_loop(engine, resolved, turn, manager, options, default_max_tokens, memory):
+        if isinstance(item, LoopResult):
+            return item
+    raise AssertionError("the tool loop ended without a result")

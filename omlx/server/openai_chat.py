@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,10 +15,11 @@ from omlx.api.chat_template import content_text, normalize_tool_calls
 from omlx.api.media import MediaPolicy
 from omlx.api.openai_models import ChatCompletionRequest
 from omlx.api.output_format import openai_response_format
+from omlx.api.tool_calls import ToolCall
 from omlx.api.tool_specs import openai_tool_choice, openai_tools
 from omlx.engine.llm_engine import LLMEngine
-from omlx.engine.request import GenerationRequest
-from omlx.errors import InvalidRequestError
+from omlx.engine.request import GenerationRequest, new_request_id
+from omlx.errors import InvalidRequestError, OMLXError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_chunks import ChatChunks, chat_usage
 from omlx.server.chat_pipeline import (
@@ -30,7 +32,16 @@ from omlx.server.chat_pipeline import (
     run_chat,
 )
 from omlx.server.generation import SAMPLING_FIELDS, fan_out, usage_dict
-from omlx.server.mcp_loop import LoopOptions, loop_options, offered, run_tool_loop
+from omlx.server.mcp_loop import (
+    LoopOptions,
+    LoopResult,
+    Ran,
+    Step,
+    loop_options,
+    offered,
+    run_tool_loop,
+    tool_loop,
+)
 from omlx.server.openai_routes import chat_logprobs, default_max_tokens, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 from omlx.server.structured import effort_budget
@@ -91,8 +102,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
     loop = loop_options(body.mcp, request.app.state.settings.mcp_max_rounds)
     if loop is not None:
-        if body.stream or body.n > 1:
-            raise InvalidRequestError("The MCP tool loop (\"mcp\") takes stream false and n 1.", param="mcp")
+        if body.n > 1:
+            raise InvalidRequestError("The MCP tool loop (\"mcp\") takes n 1.", param="mcp")
         loop.tools = offered(getattr(request.app.state, "mcp", None), loop, openai_tools(body.tools))
         turn = _turn(body, [t.spec() for t in loop.tools])
         return await with_llm(request, body.model, lambda e, r: _chat_loop(body, turn, loop, request, e, r))
@@ -104,8 +115,12 @@ async def _chat_loop(body: ChatCompletionRequest, turn: ChatTurn, loop: LoopOpti
                      engine: LLMEngine, resolved: Resolved) -> JSONResponse:
     """The answer after the server ran the MCP tools the model called; `mcp` says what it added."""
     state = request.app.state
-    done = await run_tool_loop(engine, resolved, turn, getattr(state, "mcp", None), loop,
-                               default_max_tokens(request, resolved.defaults), state.turn_memory)
+    args = (engine, resolved, turn, getattr(state, "mcp", None), loop, default_max_tokens(request, resolved.defaults),
+            state.turn_memory)  # fmt: skip
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStream(_stream_loop(tool_loop(*args), body.model, include_usage, state.settings.keepalive_interval))
+    done = await run_tool_loop(*args)
     created = int(time.time())
     rid = done.request_id
     chunks = ChatChunks(rid, body.model, created)
@@ -113,8 +128,7 @@ async def _chat_loop(body: ChatCompletionRequest, turn: ChatTurn, loop: LoopOpti
     final = done.result.final
     final.warnings = [*final.warnings, *done.warnings]
     lp = chat_logprobs(engine.tokenizer, [x for ev in done.result.events for x in ev.logprobs]) if body.logprobs else None
-    usage = usage_dict(sum(r["prompt_tokens"] for r in done.rounds), sum(r["completion_tokens"] for r in done.rounds),
-                       sum(r["cached_tokens"] for r in done.rounds))
+    usage = _loop_usage(done.rounds)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": body.model,
         "system_fingerprint": None, "choices": [chunks.choice_body(0, final, lp)], "usage": usage,
@@ -209,3 +223,44 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, requests: list[Gene
                 yield line
     for line in chunks.end(finals):
         yield line
+
+
+def _loop_usage(rounds: list[dict[str, int]]) -> dict[str, Any]:
+    """Every round's tokens added up."""
+    return usage_dict(*(sum(r[k] for r in rounds) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")))
+
+
+async def _stream_loop(steps: AsyncIterator[Step | Ran | LoopResult], model: str, include_usage: bool,
+                       interval: float) -> AsyncIterator[str]:
+    """The tool loop as one chunk stream: every round's text and reasoning as they come; a
+    round's calls only once the round ends (as `tool_calls` when they go back to the client);
+    each round the server ran as a chunk whose `mcp.messages` hold its answer and results."""
+    chunks = ChatChunks(new_request_id("chatcmpl"), model, int(time.time()), include_usage=include_usage)
+    for line in chunks.start():
+        yield line
+    held: list[ToolCall] = []
+    try:
+        async for item in with_keepalive(steps, interval):
+            if item is KEEPALIVE:
+                yield ": keep-alive\n\n"
+            elif isinstance(item, Step):
+                held += [d for d in item.deltas if isinstance(d, ToolCall)]
+                for line in chunks.feed(0, [d for d in item.deltas if not isinstance(d, ToolCall)]):
+                    yield line
+            elif isinstance(item, Ran):
+                held = []
+                payload = json.loads(chunks.chunk([])[len("data: "):])
+                payload["mcp"] = {"messages": item.messages}
+                yield sse_data(payload)
+            elif isinstance(item, LoopResult):
+                for line in chunks.feed(0, held):
+                    yield line
+                final = item.result.final
+                final.warnings = [*final.warnings, *item.warnings]
+                for line in chunks.finish(0, final):
+                    yield line
+                if include_usage:
+                    yield chunks.chunk([], _loop_usage(item.rounds))
+                yield "data: [DONE]\n\n"
+    except OMLXError as exc:
+        yield sse_data({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}})

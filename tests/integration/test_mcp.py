@@ -221,8 +221,32 @@ def test_the_tool_loop_field_is_checked(mcp_server) -> None:
     for mcp, param in (("yes", "mcp"), ({"max_rounds": 11}, "mcp.max_rounds"), ({"tools": "web"}, "mcp.tools")):
         r = _loop(base, mcp=mcp)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
-    r = _loop(base, mcp=True, stream=True)
+    r = _loop(base, mcp=True, n=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mcp"
+
+
+def test_the_tool_loop_streams_each_rounds_text_and_the_messages_it_added(mcp_server) -> None:
+    base = mcp_server[0].base_url
+    _wait_ready(base, ["local", "web"])
+    payload = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Pick a color."}], "max_tokens": 80,
+               "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+               "mcp": {"tools": ["local__pick"], "max_rounds": 2},
+               "tool_choice": {"type": "function", "function": {"name": "local__pick"}}}
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=payload, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    ran = [c["mcp"]["messages"] for c in chunks if "mcp" in c]
+    assert len(ran) == 1 and ran[0][0]["tool_calls"][0]["function"]["name"] == "local__pick"
+    assert ran[0][1]["role"] == "tool" and ran[0][1]["content"].startswith("picked ")
+    deltas = [ch["delta"] for c in chunks for ch in c["choices"]]
+    assert not any("tool_calls" in d for d in deltas)  # the round the server ran is not the client's to run
+    finish = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert finish == ["length"] or finish == ["stop"], finish
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] > 80 and usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_a_malformed_config_stops_the_start_with_a_message(tmp_path: Path) -> None:
