@@ -188,7 +188,7 @@ SETTINGS: tuple[Setting, ...] = (
         "mcp_config",
         Path,
         None,
-        "A JSON or YAML file of MCP servers whose tools the server offers ({\"servers\": [...]} or {\"mcpServers\": {...}}; needs the omlx[mcp] extra): listed at /v1/mcp/tools, run by POST /v1/mcp/execute and by the tool loop a chat request opts in to with \"mcp\": true (docs/agents.md). Servers connect in the background and are retried when they fail; none holds up the start.",
+        "A JSON or YAML file of MCP servers whose tools the server offers ({\"servers\": [...]} or {\"mcpServers\": {...}}; needs the omlx[mcp] extra): listed at /v1/mcp/tools, run by POST /v1/mcp/execute and by the tool loop a chat or Messages request opts in to with \"mcp\": true (docs/agents.md). Servers connect in the background and are retried when they fail; none holds up the start.",
         default_doc="(none)",
         summary="MCP servers' config file (JSON or YAML)",
     ),

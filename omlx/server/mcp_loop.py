@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omlx.api.chat_template import normalize_tool_calls
@@ -27,7 +27,14 @@ from omlx.errors import InvalidRequestError, OMLXError
 from omlx.mcp.manager import McpManager, McpTool
 from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_chunks import ChoiceState
-from omlx.server.chat_pipeline import ChatResult, ChatTurn, final_from, parsed_events, prepare_chat
+from omlx.server.chat_pipeline import (
+    ChatFinal,
+    ChatResult,
+    ChatTurn,
+    final_from,
+    parsed_events,
+    prepare_chat,
+)
 from omlx.server.turn_memory import TurnMemory
 
 
@@ -86,6 +93,13 @@ async def _run_call(manager: McpManager, call: ToolCall) -> str:
 
 
 @dataclass
+class Started:
+    """A round's request is prepared: its prompt's length."""
+
+    prompt_tokens: int
+
+
+@dataclass
 class Step:
     """One engine event of the current round and the parsed deltas it produced."""
 
@@ -103,9 +117,10 @@ class Ran:
 async def tool_loop(
     engine: LLMEngine, resolved: Resolved, turn: ChatTurn, manager: McpManager | None, options: LoopOptions,
     default_max_tokens: int, memory: TurnMemory | None,
-) -> AsyncIterator[Step | Ran | LoopResult]:
+) -> AsyncIterator[Started | Step | Ran | LoopResult]:
     """Generate, run the MCP calls, feed the results back, until an answer needs none of them:
-    every engine event (`Step`), each round whose calls ran (`Ran`), then the `LoopResult`.
+    per round `Started`, every engine event (`Step`) and, when its calls ran, `Ran`; then the
+    `LoopResult`.
     `turn.tools` already holds `options.tools`."""
     names = {t.name for t in options.tools}
     rounds: list[dict[str, int]] = []
@@ -119,6 +134,7 @@ async def tool_loop(
         events: list[GenerationEvent] = []
         final = None
         try:
+            yield Started(len(prepared.request.prompt_tokens))
             async for batch, ev in parsed_events(engine.generate(prepared.request), parser, prepared):
                 events.append(ev)
                 deltas += batch
@@ -160,12 +176,41 @@ async def tool_loop(
     yield LoopResult(result, rounds, added, warnings, prepared.request.request_id)
 
 
+def summed(result: LoopResult) -> ChatFinal:
+    """The last round's finish with every round's tokens added up and the loop's warnings."""
+    return replace(
+        result.result.final,
+        prompt_tokens=sum(r["prompt_tokens"] for r in result.rounds),
+        cached_tokens=sum(r["cached_tokens"] for r in result.rounds),
+        completion_tokens=sum(r["completion_tokens"] for r in result.rounds),
+        warnings=[*result.result.final.warnings, *result.warnings],
+    )
+
+
 async def run_tool_loop(
     engine: LLMEngine, resolved: Resolved, turn: ChatTurn, manager: McpManager | None, options: LoopOptions,
     default_max_tokens: int, memory: TurnMemory | None,
 ) -> LoopResult:
     """`tool_loop` run to its end."""
-    async for item in tool_loop(engine, resolved, turn, manager, options, default_max_tokens, memory):
+    return await run_tool_loop_from(tool_loop(engine, resolved, turn, manager, options, default_max_tokens, memory))
+
+
+async def run_tool_loop_from(steps: AsyncIterator[Started | Step | Ran | LoopResult]) -> LoopResult:
+    """The `LoopResult` at the end of `steps`."""
+    async for item in steps:
         if isinstance(item, LoopResult):
             return item
     raise AssertionError("the tool loop ended without a result")
+
+
+async def primed(steps: AsyncIterator[Started | Step | Ran | LoopResult]) -> AsyncIterator[Started | Step | Ran | LoopResult]:
+    """`steps` with its first round prepared now: a prompt too long or a full queue is the
+    response's status (400, 429), not an error inside a stream already started."""
+    first = await anext(steps)
+
+    async def rest() -> AsyncIterator[Started | Step | Ran | LoopResult]:
+        yield first
+        async for item in steps:
+            yield item
+
+    return rest()

@@ -39,6 +39,7 @@ from omlx.server.mcp_loop import (
     Step,
     loop_options,
     offered,
+    primed,
     run_tool_loop,
     tool_loop,
 )
@@ -119,7 +120,8 @@ async def _chat_loop(body: ChatCompletionRequest, turn: ChatTurn, loop: LoopOpti
             state.turn_memory)  # fmt: skip
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_stream_loop(tool_loop(*args), body.model, include_usage, state.settings.keepalive_interval))
+        steps = await primed(tool_loop(*args))
+        return EventStream(_stream_loop(steps, body.model, include_usage, state.settings.keepalive_interval))
     done = await run_tool_loop(*args)
     created = int(time.time())
     rid = done.request_id

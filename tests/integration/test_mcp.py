@@ -177,7 +177,7 @@ def test_server_everything_from_npm(mcp_server) -> None:
 def _loop(base: str, **body) -> httpx.Response:
     payload = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Pick a color."}], "max_tokens": 80,
                "temperature": 0, **body}
-    return httpx.post(f"{base}/v1/chat/completions", json=payload, headers=AUTH, timeout=120)
+    return httpx.post(f"{base}/v1/chat/completions", json=payload, headers=AUTH, timeout=240)
 
 
 def test_the_tool_loop_runs_the_models_calls_and_generates_again(mcp_server) -> None:
@@ -223,6 +223,8 @@ def test_the_tool_loop_field_is_checked(mcp_server) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
     r = _loop(base, mcp=True, n=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "mcp"
+    r = httpx.post(f"{base}/v1/responses", headers=AUTH, json={"model": "tiny-llama", "input": "hi", "mcp": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mcp"
 
 
 def test_the_tool_loop_streams_each_rounds_text_and_the_messages_it_added(mcp_server) -> None:
@@ -257,3 +259,42 @@ def test_a_malformed_config_stops_the_start_with_a_message(tmp_path: Path) -> No
                           env={**__import__("os").environ, "OMLX_HOME": str(tmp_path / "home")})
     assert proc.returncode == 2
     assert "servers.0.transport" in proc.stderr and "carrier-pigeon" in proc.stderr
+
+
+def test_the_tool_loop_on_messages_through_the_anthropic_sdk(mcp_server) -> None:
+    import anthropic
+
+    base = mcp_server[0].base_url
+    _wait_ready(base, ["local", "web"])
+    claude = anthropic.Anthropic(base_url=base, api_key=KEY)
+    msg = claude.messages.create(model="tiny-llama", max_tokens=80,
+                                 messages=[{"role": "user", "content": "Pick a color."}],
+                                 tool_choice={"type": "tool", "name": "web__pick"},
+                                 extra_body={"temperature": 0, "mcp": {"tools": ["web__pick"], "max_rounds": 2}})
+    extra = msg.model_extra["mcp"]
+    assert len(extra["rounds"]) == 2
+    call, results = extra["messages"]
+    use = call["content"][-1]
+    assert call["role"] == "assistant" and use["type"] == "tool_use" and use["name"] == "web__pick"
+    assert results["role"] == "user" and results["content"][0]["tool_use_id"] == use["id"]
+    assert results["content"][0]["content"].startswith(f"picked {use['input']['color']} at ")
+    assert msg.usage.output_tokens == sum(r["completion_tokens"] for r in extra["rounds"])
+    assert msg.usage.cache_read_input_tokens >= extra["rounds"][0]["prompt_tokens"] - 16
+    # streaming: the SDK skips the mcp event and reads the rest
+    with claude.messages.stream(model="tiny-llama", max_tokens=80,
+                                messages=[{"role": "user", "content": "Pick a color."}],
+                                tool_choice={"type": "tool", "name": "web__pick"},
+                                extra_body={"temperature": 0, "mcp": {"tools": ["web__pick"], "max_rounds": 2}}) as stream:
+        final = stream.get_final_message()
+    assert not [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert final.usage.output_tokens > 80
+    payload = {"model": "tiny-llama", "max_tokens": 80, "temperature": 0, "stream": True,
+               "messages": [{"role": "user", "content": "Pick a color."}],
+               "tool_choice": {"type": "tool", "name": "web__pick"}, "mcp": {"tools": ["web"], "max_rounds": 2}}
+    with httpx.stream("POST", f"{base}/v1/messages", json=payload, headers={"x-api-key": KEY}, timeout=120) as r:
+        kinds = [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds.count("mcp") == 1 and kinds[-1] == "message_stop"
+    too_long = httpx.post(f"{base}/v1/messages", headers={"x-api-key": KEY}, timeout=60, json={
+        **payload, "messages": [{"role": "user", "content": "word " * 3000}]})
+    assert too_long.status_code == 400 and too_long.json()["type"] == "error"  # before the stream starts
