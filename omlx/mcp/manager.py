@@ -10,6 +10,10 @@ Contract:
 - `call()` runs one tool within its timeout: a tool's own error (`isError`) is a result; a
   timeout is `ToolTimeoutError` (504), a server not ready or gone is 503 / 502, an unknown tool
   404, arguments the server refuses 400. Nothing a server does raises anything else.
+- The connections live on a thread of their own with a plain asyncio loop (`call` and `close`
+  hand over to it): uvloop, the server's loop, starts a process with fork(), which runs
+  OpenBLAS's fork handler; that stops OpenBLAS's worker threads, and a matrix product in flight
+  on an engine thread then waits for them forever. Plain asyncio starts processes with vfork().
 - Tool names are the servers' own; where two ready servers offer the same name, each becomes
   `<server>__<tool>`. Characters other than letters, digits, `_` and `-` become `_`.
 """
@@ -20,6 +24,7 @@ import asyncio
 import logging
 import math
 import re
+import threading
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -156,15 +161,38 @@ class McpManager:
         self.log_dir = log_dir
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Start each server's connection task; returns at once."""
+        """Start the MCP thread and each server's connection task on it; returns at once."""
+        if not self.connections:
+            return
+        self._loop = asyncio.SelectorEventLoop()  # not the policy's: never uvloop (see the notes)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="omlx-mcp", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start_tasks(), self._loop)
+
+    async def _start_tasks(self) -> None:
         for conn in self.connections.values():
             self._tasks.append(asyncio.create_task(self._keep(conn), name=f"mcp-{conn.spec.name}"))
 
     async def close(self) -> None:
-        """Disconnect every server (stdio servers are stopped), waiting at most `STOP_WAIT_S`."""
+        """Disconnect every server (stdio servers are stopped) and end the MCP thread, waiting
+        at most about 2 × `STOP_WAIT_S`."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close(), loop)),
+                                   2 * STOP_WAIT_S + 1)  # fmt: skip
+        except (TimeoutError, RuntimeError):
+            log.warning("MCP servers did not all stop in time")
+        loop.call_soon_threadsafe(loop.stop)
+        await asyncio.to_thread(thread.join, STOP_WAIT_S)
+
+    async def _close(self) -> None:
         self._stopping = True
         for conn, task in zip(self.connections.values(), self._tasks, strict=False):
             conn.wake.set()  # a ready one leaves its session
@@ -311,10 +339,18 @@ class McpManager:
         return next((t for t in self.tools() if t.name == name), None)
 
     async def call(self, name: str, arguments: dict[str, Any] | None, timeout: float | None = None) -> ToolResult:
-        """Run one tool (see the module notes for what it raises)."""
-        from mcp.shared.exceptions import McpError
-        from mcp.types import CONNECTION_CLOSED, INVALID_PARAMS
+        """Run one tool (see the module notes for what it raises), from any event loop."""
+        tool = self._callable(name)
+        timeout = self.tool_timeout if timeout is None else timeout
+        assert self._loop is not None
+        done = asyncio.run_coroutine_threadsafe(self._call(tool, arguments, timeout), self._loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), timeout + 1)
+        except TimeoutError:
+            done.cancel()
+            raise ToolTimeoutError(f"MCP tool '{name}' did not answer within {timeout:g} s.", code="tool_timeout") from None
 
+    def _callable(self, name: str) -> McpTool:
         tool = self.find(name)
         if tool is None:
             known = [t.name for t in self.tools()]
@@ -323,10 +359,19 @@ class McpManager:
             hint += f" Servers not ready: {', '.join(down)}." if down else ""
             raise NotFoundError(f"No MCP tool named '{name}'.{hint}", param="name", code="tool_not_found")
         conn = self.connections[tool.server]
+        if conn.state != "ready" or conn.session is None or self._loop is None:
+            raise ServiceUnavailableError(f"MCP server '{tool.server}' is {conn.state}.", retry_after=2)
+        return tool
+
+    async def _call(self, tool: McpTool, arguments: dict[str, Any] | None, timeout: float) -> ToolResult:
+        """`call` on the MCP thread."""
+        from mcp.shared.exceptions import McpError
+        from mcp.types import CONNECTION_CLOSED, INVALID_PARAMS
+
+        name, conn = tool.name, self.connections[tool.server]
         session = conn.session
         if conn.state != "ready" or session is None:
             raise ServiceUnavailableError(f"MCP server '{tool.server}' is {conn.state}.", retry_after=2)
-        timeout = self.tool_timeout if timeout is None else timeout
         try:
             async with asyncio.timeout(timeout):
                 result = await session.call_tool(tool.remote, arguments or {}, read_timeout_seconds=timedelta(seconds=timeout))
