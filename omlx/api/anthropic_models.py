@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from omlx.api.media import MediaPolicy
 from omlx.api.tool_specs import checked_choice, function_spec, tool_list, tool_name, unique
@@ -39,6 +39,8 @@ class MessagesRequest(Lenient):
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     output_format: dict[str, Any] | None = None  # the structured-outputs beta's older field
+    # the server runs the MCP tools the model calls (oMLX's own field: omlx/server/mcp_loop.py)
+    mcp: StrictBool | dict[str, Any] | None = None
 
 
 class CountTokensRequest(Lenient):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool
 
 from omlx.api.wire import Lenient, LogitBias, SamplingValues, Seed, StopField
 
@@ -55,6 +55,8 @@ class ChatCompletionRequest(SamplingFields):
     # reasoning tokens before the model's end-of-thinking marker is forced (oMLX's own field)
     thinking_budget: int | None = Field(default=None, ge=0)
     reasoning_effort: str | None = None
+    # the server runs the MCP tools the model calls (oMLX's own field: omlx/server/mcp_loop.py)
+    mcp: StrictBool | dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

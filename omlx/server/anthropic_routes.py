@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -20,10 +21,12 @@ from omlx.api.anthropic_models import (
 )
 from omlx.api.media import MediaPolicy
 from omlx.api.output_format import anthropic_output_format
+from omlx.api.tool_calls import ToolCall
 from omlx.api.tool_prompt import template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
+from omlx.engine.request import new_request_id
 from omlx.pool.engine_pool import Resolved
-from omlx.server.anthropic_events import MessageEvents
+from omlx.server.anthropic_events import MessageEvents, tool_input, tool_use_id
 from omlx.server.chat_pipeline import (
     ChatFinal,
     ChatTurn,
@@ -33,6 +36,19 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     render_turn,
 )
+from omlx.server.mcp_loop import (
+    LoopOptions,
+    LoopResult,
+    Ran,
+    Started,
+    Step,
+    loop_options,
+    offered,
+    primed,
+    run_tool_loop_from,
+    summed,
+    tool_loop,
+)
 from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 from omlx.server.vision_prompt import expand, load_images, with_image_parts
@@ -40,8 +56,10 @@ from omlx.server.vision_prompt import expand, load_images, with_image_parts
 router = APIRouter()
 
 
-def _turn(body: MessagesRequest, media: MediaPolicy) -> ChatTurn:
+def _turn(body: MessagesRequest, media: MediaPolicy, mcp_tools: list[dict[str, Any]] | None = None) -> ChatTurn:
     tools = tool_specs(body.tools)
+    if mcp_tools:  # the MCP tool loop's, besides the request's own
+        tools = [*(tools or []), *mcp_tools]
     return ChatTurn(
         messages=to_chat_messages(body, media),
         tools=tools,
@@ -61,8 +79,87 @@ def _turn(body: MessagesRequest, media: MediaPolicy) -> ChatTurn:
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
+    loop = loop_options(body.mcp, request.app.state.settings.mcp_max_rounds)
+    if loop is not None:
+        loop.tools = offered(getattr(request.app.state, "mcp", None), loop, tool_specs(body.tools))
+        turn = _turn(body, media_policy(request, body.model), [t.spec() for t in loop.tools])
+        return await with_llm(request, body.model, lambda e, r: _messages_loop(body, turn, loop, request, e, r))
     turn = _turn(body, media_policy(request, body.model))  # checked before the model is leased (or loaded)
     return await with_llm(request, body.model, lambda e, r: _messages(body, turn, request, e, r))
+
+
+def anthropic_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool loop's added chat messages as Messages turns: the answer's blocks, then one user
+    turn of tool_result blocks."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant":
+            blocks: list[dict[str, Any]] = []
+            if m.get("reasoning_content"):
+                blocks.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
+            if m.get("content"):
+                blocks.append({"type": "text", "text": m["content"]})
+            for c in m.get("tool_calls") or []:
+                call = ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"])
+                blocks.append({"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": tool_input(call)})
+            out.append({"role": "assistant", "content": blocks})
+        else:
+            result = {"type": "tool_result", "tool_use_id": "toolu_" + m["tool_call_id"].removeprefix("call_"),
+                      "content": m["content"]}  # fmt: skip
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"].append(result)
+            else:
+                out.append({"role": "user", "content": [result]})
+    return out
+
+
+async def _messages_loop(body: MessagesRequest, turn: ChatTurn, loop: LoopOptions, request: Request,
+                         engine: LLMEngine, resolved: Resolved):
+    """The message after the server ran the MCP tools the model called; `mcp` says what it added."""
+    state = request.app.state
+    steps = tool_loop(engine, resolved, turn, getattr(state, "mcp", None), loop,
+                      default_max_tokens(request, resolved.defaults), state.turn_memory)
+    if body.stream:
+        return EventStream(_stream_loop(await primed(steps), body.model, state.settings.keepalive_interval))
+    done = await run_tool_loop_from(steps)
+    events = MessageEvents(done.request_id, body.model, done.rounds[-1]["prompt_tokens"])
+    events.feed(done.result.deltas)
+    message = events.message(summed(done))
+    message["mcp"] = {"rounds": done.rounds, "messages": anthropic_messages(done.messages)}
+    return JSONResponse(message)
+
+
+async def _stream_loop(steps: AsyncIterator[Any], model: str, interval: float) -> AsyncIterator[str]:
+    """The tool loop as one message's events: every round's text and thinking as they come, a
+    round's calls only when they go back to the client, and each round the server ran as an
+    `mcp` event (`{"type": "mcp", "messages": [...]}`), which SDKs skip."""
+    events: MessageEvents | None = None
+    held: list[ToolCall] = []
+    try:
+        async for item in with_keepalive(steps, interval):
+            if isinstance(item, Started) and events is None:
+                events = MessageEvents(new_request_id("msg"), model, item.prompt_tokens)
+                for line in events.start():
+                    yield line
+            elif events is None:
+                continue
+            elif item is KEEPALIVE:
+                yield sse_event("ping", {"type": "ping"})
+            elif isinstance(item, Step):
+                held += [d for d in item.deltas if isinstance(d, ToolCall)]
+                for line in events.feed([d for d in item.deltas if not isinstance(d, ToolCall)]):
+                    yield line
+            elif isinstance(item, Ran):
+                held = []
+                yield sse_event("mcp", {"type": "mcp", "messages": anthropic_messages(item.messages)})
+            elif isinstance(item, LoopResult):
+                for line in events.feed(held):
+                    yield line
+                for line in events.finish(summed(item)):
+                    yield line
+    except Exception as exc:  # the stream has started: report in-band, Anthropic style
+        kind = "invalid_request_error" if getattr(exc, "status", 500) == 400 else "api_error"
+        yield sse_event("error", {"type": "error", "error": {"type": kind, "message": str(exc)}})
 
 
 async def _messages(body: MessagesRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):

@@ -26,6 +26,7 @@ from omlx.engine.device_fault import DEVICE
 from omlx.engine.embedding_engine import encoder_factories
 from omlx.engine.llm_engine import LLMEngine
 from omlx.errors import ConfigError
+from omlx.mcp import mcp_manager
 from omlx.models.discovery import ModelInfo
 from omlx.models.loader import load_llm
 from omlx.pool.engine_pool import EngineFactory, EnginePool
@@ -39,6 +40,7 @@ from omlx.server.body_limits import BodyLimits
 from omlx.server.cache_explain import router as cache_explain_router
 from omlx.server.embedding_routes import router as embedding_router
 from omlx.server.errors import install_error_handlers
+from omlx.server.mcp_routes import router as mcp_router
 from omlx.server.openai_chat import router as openai_chat_router
 from omlx.server.openai_routes import router as openai_router
 from omlx.server.openapi import install_openapi
@@ -103,6 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
     metrics = RequestMetrics()
     pool = EnginePool(settings, engine_factories(settings, store, metrics.record), max_memory=max_memory)
     pool.memory_guard = MemoryGuard(pool, store, lambda: settings.max_process_memory)
+    mcp = mcp_manager(settings)  # a bad config file stops the start; its servers connect later
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -113,8 +116,12 @@ def create_app(settings: Settings) -> FastAPI:
         pool.refresh()  # that model came after the pool's first scan
         app.state.start = StartState(pool.models_to_warm(getattr(app.state, "provisioned", None)))
         starting = asyncio.create_task(load_at_start(app, getattr(app.state, "listening", lambda: True)))
+        if mcp is not None:
+            mcp.start()  # each server in the background: none holds up the start
         yield
         starting.cancel()
+        if mcp is not None:
+            await mcp.close()
         pool.memory_guard.stop()
         shutdown_admin(app)
         pool.shutdown()
@@ -131,6 +138,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.turn_memory = TurnMemory()  # answers as generated, for the next turn's prompt
     app.state.started = time.time()
     app.state.metrics = metrics
+    app.state.mcp = mcp
     install_error_handlers(app)
     app.add_middleware(BodyLimits)
 
@@ -168,6 +176,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(embedding_router, dependencies=[Depends(require_api_key)])
     app.include_router(anthropic_router, dependencies=[Depends(require_api_key)])
     app.include_router(responses_router, dependencies=[Depends(require_api_key)])
+    app.include_router(mcp_router, dependencies=[Depends(require_api_key)])
     install_admin(app)
     install_openapi(app)  # /openapi.json, behind the API key like /v1
     install_metrics(app)  # /metrics, behind the API key unless --metrics-public

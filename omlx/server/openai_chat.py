@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,10 +15,11 @@ from omlx.api.chat_template import content_text, normalize_tool_calls
 from omlx.api.media import MediaPolicy
 from omlx.api.openai_models import ChatCompletionRequest
 from omlx.api.output_format import openai_response_format
+from omlx.api.tool_calls import ToolCall
 from omlx.api.tool_specs import openai_tool_choice, openai_tools
 from omlx.engine.llm_engine import LLMEngine
-from omlx.engine.request import GenerationRequest
-from omlx.errors import InvalidRequestError
+from omlx.engine.request import GenerationRequest, new_request_id
+from omlx.errors import InvalidRequestError, OMLXError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.chat_chunks import ChatChunks, chat_usage
 from omlx.server.chat_pipeline import (
@@ -29,7 +31,18 @@ from omlx.server.chat_pipeline import (
     prepare_chat,
     run_chat,
 )
-from omlx.server.generation import SAMPLING_FIELDS, fan_out
+from omlx.server.generation import SAMPLING_FIELDS, fan_out, usage_dict
+from omlx.server.mcp_loop import (
+    LoopOptions,
+    LoopResult,
+    Ran,
+    Step,
+    loop_options,
+    offered,
+    primed,
+    run_tool_loop,
+    tool_loop,
+)
 from omlx.server.openai_routes import chat_logprobs, default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_data, with_keepalive
 from omlx.server.structured import effort_budget
@@ -57,9 +70,14 @@ def chat_messages(req: ChatCompletionRequest, media: MediaPolicy) -> list[dict[s
     return out
 
 
-def chat_turn(body: ChatCompletionRequest, media: MediaPolicy) -> ChatTurn:
-    """The request as a chat turn, checked before any model is leased."""
+def chat_turn(
+    body: ChatCompletionRequest, media: MediaPolicy, mcp_tools: list[dict[str, Any]] | None = None
+) -> ChatTurn:
+    """The request as a chat turn, checked before any model is leased; `mcp_tools` are offered
+    besides the request's own (the MCP tool loop)."""
     tools = openai_tools(body.tools)
+    if mcp_tools:
+        tools = [*(tools or []), *mcp_tools]
     return ChatTurn(
         messages=chat_messages(body, media),
         tools=tools,
@@ -86,8 +104,41 @@ def chat_turn(body: ChatCompletionRequest, media: MediaPolicy) -> ChatTurn:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     if (body.max_completion_tokens or body.max_tokens) == 0:
         raise InvalidRequestError("max_tokens must be at least 1.", param="max_tokens")
+    loop = loop_options(body.mcp, request.app.state.settings.mcp_max_rounds)
+    if loop is not None:
+        if body.n > 1:
+            raise InvalidRequestError("The MCP tool loop (\"mcp\") takes n 1.", param="mcp")
+        loop.tools = offered(getattr(request.app.state, "mcp", None), loop, openai_tools(body.tools))
+        turn = chat_turn(body, media_policy(request, body.model), [t.spec() for t in loop.tools])
+        return await with_llm(request, body.model, lambda e, r: _chat_loop(body, turn, loop, request, e, r))
     turn = chat_turn(body, media_policy(request, body.model))
     return await with_llm(request, body.model, lambda e, r: _chat(body, turn, request, e, r))
+
+
+async def _chat_loop(body: ChatCompletionRequest, turn: ChatTurn, loop: LoopOptions, request: Request,
+                     engine: LLMEngine, resolved: Resolved) -> JSONResponse:
+    """The answer after the server ran the MCP tools the model called; `mcp` says what it added."""
+    state = request.app.state
+    args = (engine, resolved, turn, getattr(state, "mcp", None), loop, default_max_tokens(request, resolved.defaults),
+            state.turn_memory)  # fmt: skip
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        steps = await primed(tool_loop(*args))
+        return EventStream(_stream_loop(steps, body.model, include_usage, state.settings.keepalive_interval))
+    done = await run_tool_loop(*args)
+    created = int(time.time())
+    rid = done.request_id
+    chunks = ChatChunks(rid, body.model, created)
+    chunks.feed(0, done.result.deltas)
+    final = done.result.final
+    final.warnings = [*final.warnings, *done.warnings]
+    lp = chat_logprobs(engine.tokenizer, [x for ev in done.result.events for x in ev.logprobs]) if body.logprobs else None
+    usage = _loop_usage(done.rounds)
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": body.model,
+        "system_fingerprint": None, "choices": [chunks.choice_body(0, final, lp)], "usage": usage,
+        "mcp": {"rounds": done.rounds, "messages": done.messages},
+    })
 
 
 async def _chat(body: ChatCompletionRequest, turn: ChatTurn, request: Request, engine: LLMEngine, resolved: Resolved):
@@ -177,3 +228,44 @@ async def _stream(engine: LLMEngine, prepared: PreparedChat, requests: list[Gene
                 yield line
     for line in chunks.end(finals):
         yield line
+
+
+def _loop_usage(rounds: list[dict[str, int]]) -> dict[str, Any]:
+    """Every round's tokens added up."""
+    return usage_dict(*(sum(r[k] for r in rounds) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")))
+
+
+async def _stream_loop(steps: AsyncIterator[Step | Ran | LoopResult], model: str, include_usage: bool,
+                       interval: float) -> AsyncIterator[str]:
+    """The tool loop as one chunk stream: every round's text and reasoning as they come; a
+    round's calls only once the round ends (as `tool_calls` when they go back to the client);
+    each round the server ran as a chunk whose `mcp.messages` hold its answer and results."""
+    chunks = ChatChunks(new_request_id("chatcmpl"), model, int(time.time()), include_usage=include_usage)
+    for line in chunks.start():
+        yield line
+    held: list[ToolCall] = []
+    try:
+        async for item in with_keepalive(steps, interval):
+            if item is KEEPALIVE:
+                yield ": keep-alive\n\n"
+            elif isinstance(item, Step):
+                held += [d for d in item.deltas if isinstance(d, ToolCall)]
+                for line in chunks.feed(0, [d for d in item.deltas if not isinstance(d, ToolCall)]):
+                    yield line
+            elif isinstance(item, Ran):
+                held = []
+                payload = json.loads(chunks.chunk([])[len("data: "):])
+                payload["mcp"] = {"messages": item.messages}
+                yield sse_data(payload)
+            elif isinstance(item, LoopResult):
+                for line in chunks.feed(0, held):
+                    yield line
+                final = item.result.final
+                final.warnings = [*final.warnings, *item.warnings]
+                for line in chunks.finish(0, final):
+                    yield line
+                if include_usage:
+                    yield chunks.chunk([], _loop_usage(item.rounds))
+                yield "data: [DONE]\n\n"
+    except OMLXError as exc:
+        yield sse_data({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}})

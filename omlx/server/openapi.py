@@ -70,9 +70,10 @@ STATUS_TEXT = {
     413: f"The body is larger than {MAX_BODY_BYTES >> 20} MiB",
     429: "Overloaded: retry after the Retry-After header's seconds",
     500: "The engine failed while serving the request",
-    502: "The model hub failed or could not be reached",
+    502: "The model hub or an MCP server failed or could not be reached",
     503: "The server is shutting down, lost its GPU, or is over its process memory limit "
          "(then with Retry-After); retry shortly",
+    504: "The MCP tool did not answer within --mcp-tool-timeout",
     507: "Not enough memory to load the model",
 }
 
@@ -98,6 +99,7 @@ EXTRA: dict[tuple[str, str], set[int]] = {
     ("GET", "/api/hub/models/{repo_id:path}"): {502},
     ("POST", "/api/auth/login"): {401, 403, 429},
     ("POST", "/api/auth/logout"): {403},
+    ("POST", "/v1/mcp/execute"): {404, 502, 503, 504},
 }
 
 

@@ -60,6 +60,9 @@ def conversation_for(body: ResponsesRequest, store: ResponseStore, media: MediaP
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
+    if (body.model_extra or {}).get("mcp") not in (None, False):  # not silently ignored
+        raise InvalidRequestError("The MCP tool loop (\"mcp\") runs on /v1/chat/completions and /v1/messages, "
+                                  "not yet on /v1/responses.", param="mcp")
     media = media_policy(request, body.model)
     messages = conversation_for(body, _store(request), media)  # checked before the model is leased
     if body.instructions:
