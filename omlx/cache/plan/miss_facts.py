@@ -44,7 +44,9 @@ def look(
     shared, held, length = 0, False, 0
     if best is not None:
         shared, key, length = best
-        held = view.tier_of(key, fingerprint) is not None
+        # whether it is held matters only where it shares more than the restore used (`why.explain`):
+        # a prompt that shares nothing with the cached one asks no tier
+        held = shared > tail_tokens and view.tier_of(key, fingerprint) is not None
     next_evicted = blocks < len(keys) and view.evicted(keys[blocks])
     other = False
     if not blocks and not tail_tokens:
