@@ -129,9 +129,9 @@ def main() -> None:
     best = {k: max(v) for k, v in figures.items()}
     median = {k: statistics.median(v) for k, v in figures.items()}
     rows = []
-    for work, goal in (("edit", 2.0), ("chat", 0.95)):
+    for label, work, goal in (("a", "edit", 2.0), ("b", "chat", 0.95)):
         for how, agg in (("best", best), ("median", median)):
-            rows.append(Row(f"({work[0]}) {work} batch-1 decode, {how}", agg[f"{work}_spec"], agg[f"{work}_plain"],
+            rows.append(Row(f"({label}) {work} batch-1 decode, {how}", agg[f"{work}_spec"], agg[f"{work}_plain"],
                             "tok/s", True, goal, "no speculation"))  # fmt: skip
     print_table("batch-1 decode with vs without speculation", rows)
     same = {work: texts[f"{work}_spec"] == texts[f"{work}_plain"] and len(texts[f"{work}_spec"]) == 1 for work in ("edit", "chat")}
