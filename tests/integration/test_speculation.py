@@ -123,3 +123,13 @@ def test_mixed_batches_and_cached_turns_answer_as_without_speculation(servers):
     ]
     assert answers[0].usage.prompt_tokens_details.cached_tokens > 0
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+def test_sampled_and_biased_requests_step_aside(servers):
+    spec, _ = servers
+    before = spec_counters(spec)
+    oai = client(spec)
+    for extra in ({"temperature": 0.7, "seed": 3}, {"temperature": 0, "logit_bias": {"11": 1.0}}):
+        r = oai.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": COUNT}], max_tokens=40, **extra)
+        assert r.usage.completion_tokens > 0
+    assert spec_counters(spec) == before
