@@ -297,7 +297,7 @@ class Runner:
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
             if alone:
-                state.spec = speculation_for(state, self.config)
+                state.spec = speculation_for(state, self.config, self.eos_ids)
         else:
             self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH

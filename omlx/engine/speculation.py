@@ -40,12 +40,12 @@ def step_aside(enabled: bool, greedy: bool, processors: list[Any], constrained: 
     return None
 
 
-def speculation_for(state: RequestState, config: EngineConfig) -> Speculation | None:
+def speculation_for(state: RequestState, config: EngineConfig, eos_ids: list[int]) -> Speculation | None:
     """The solo request's speculation, unless it steps aside (logged with the reason)."""
     req = state.request
     why = step_aside(config.speculation, state.sampler is None, state.processors, req.constraint is not None, state.solo.cache)
     if why is None:
-        return Speculation(req.prompt_tokens, config.draft_max)
+        return Speculation(req.prompt_tokens, config.draft_max, {*eos_ids, *req.stop_token_ids})
     if why != "off":
         log.debug("request=%s does not speculate: %s", state.id, why)
     return None
@@ -54,8 +54,9 @@ def speculation_for(state: RequestState, config: EngineConfig) -> Speculation | 
 class Speculation:
     """One request's speculation while it decodes as the solo sequence."""
 
-    def __init__(self, prompt: list[int], draft_max: int) -> None:
+    def __init__(self, prompt: list[int], draft_max: int, stops: set[int]) -> None:
         self.lookup = PromptLookup(prompt, draft_max)
+        self.stops = stops  # tokens that end the request: nothing is drafted after them
 
     def ready(self, seq: SoloSequence) -> bool:
         """Catch up with the tokens `seq` has fed; whether a draft may be looked for (it costs
@@ -73,7 +74,7 @@ class Speculation:
         token, logprobs = seq.pending
         first = int(token.item())
         self.lookup.extend([first])
-        draft = self.lookup.draft(allowed - 1)
+        draft = self.lookup.draft(allowed - 1) if first not in self.stops else []
         if not draft:  # `first` is fed by the usual step: the lookup already holds it
             return None
         base = len(seq.fed)
