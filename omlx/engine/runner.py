@@ -372,8 +372,7 @@ class Runner:
         left = state.request.max_tokens - state.completion_tokens
         if state.spec is not None and (outs := state.spec.outs(state, left, self._solo_out)) is not None:
             return outs
-        # launch the next step unless this token is the last one allowed
-        return [self.solo_token(state, launch=left > 1)]
+        return [self.solo_token(state, launch=left > 1)]  # no next step after the last token allowed
 
     def solo_token(self, state: RequestState, *, launch: bool) -> TokenOut:
         """The solo sequence's pending token, as a batch's would come."""
@@ -381,8 +380,7 @@ class Runner:
         return self._solo_out(state, token, logprobs, 0, lambda: None)
 
     def _solo_out(self, state: RequestState, token: int, logprobs: Any, ahead: int, cut: Callable[[], None]) -> TokenOut:
-        """`token`, `ahead` tokens after the request's last one, with its finish if it ends the
-        request (`cut` then leaves the cache as a one-token step ending there would)."""
+        """`token`, `ahead` after the last one emitted, with its finish if it ends the request (then `cut`)."""
         solo, req = state.solo, state.request
         reason = None
         if token in self.eos_ids or token in req.stop_token_ids:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.config import EngineConfig
 from omlx.engine.prompt_lookup import PromptLookup
@@ -38,6 +39,15 @@ def step_aside(enabled: bool, greedy: bool, processors: list[Any], constrained: 
     if not plain_kv(cache):
         return "cache layers that cannot roll back"
     return None
+
+
+def model_speculates(model: Any, model_id: str) -> bool:
+    """Whether the model's cache can roll a draft back (every layer a plain `KVCache`); logs
+    the reason once when it cannot (engine thread, at load)."""
+    if plain_kv(make_prompt_cache(model)):
+        return True
+    log.info("model=%s does not speculate: its sliding-window or recurrent layers cannot roll back a draft", model_id)
+    return False
 
 
 def speculation_for(state: RequestState, config: EngineConfig, eos_ids: list[int]) -> Speculation | None:
@@ -124,4 +134,4 @@ class Speculation:
 
 
 
-__all__ = ["Speculation", "speculation_for", "step_aside"]
+__all__ = ["Speculation", "model_speculates", "speculation_for", "step_aside"]

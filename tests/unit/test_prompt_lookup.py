@@ -68,3 +68,24 @@ def test_requests_that_cannot_keep_the_output_unchanged_step_aside():
     assert step_aside(True, True, [object()], False, plain) == "logits processors"
     assert step_aside(True, True, [], True, plain) == "constrained"
     assert step_aside(True, True, [], False, [KVCache(), RotatingKVCache(max_size=8)]) == "cache layers that cannot roll back"
+
+
+def test_a_model_with_a_window_or_recurrent_layer_does_not_speculate_and_says_why(caplog):
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from omlx.engine.speculation import model_speculates
+
+    class Layers:  # what mlx-lm's `make_prompt_cache` asks of a model: its `make_cache`
+        def __init__(self, *kinds):
+            self.kinds = kinds
+
+        def make_cache(self):
+            return [kind() for kind in self.kinds]
+
+    assert model_speculates(Layers(KVCache, KVCache), "plain")
+    caplog.set_level("INFO", logger="omlx.engine")
+    assert not model_speculates(Layers(KVCache, lambda: RotatingKVCache(max_size=8)), "windowed")
+    assert not model_speculates(Layers(lambda: ArraysCache(2), KVCache), "recurrent")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("model=windowed does not speculate" in line for line in lines)
+    assert any("model=recurrent does not speculate" in line for line in lines)
