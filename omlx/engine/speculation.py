@@ -21,6 +21,7 @@ from omlx.engine.config import EngineConfig
 from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, TokenOut
 from omlx.engine.solo import SoloSequence, plain_kv
+from omlx.engine.step_clock import PERF
 
 log = logging.getLogger("omlx.engine")
 MakeOut = Callable[[RequestState, int, Any, int, Callable[[], None]], TokenOut]
@@ -82,16 +83,24 @@ class Speculation:
         (the caller steps as usual). The token after them is left pending, already computed."""
         assert seq.pending is not None and len(self.lookup.tokens) == len(seq.fed)
         token, logprobs = seq.pending
-        first = int(token.item())
+        tic = PERF()
+        first = int(token.item())  # the wait a one-token step makes too
+        waited = PERF() - tic
         self.lookup.extend([first])
         draft = self.lookup.draft(allowed - 1) if first not in self.stops else []
         if not draft:  # `first` is fed by the usual step: the lookup already holds it
+            if seq.clock is not None:
+                seq.clock.decode_step(0.0, 0.0, waited)
             return None
         base = len(seq.fed)
+        tic = PERF()
         logits = seq.model(mx.array([[first, *draft]]), cache=seq.cache)[0]
         rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         best = mx.argmax(rows, axis=-1)
+        built = PERF()
         mx.eval(best, rows)
+        if seq.clock is not None:
+            seq.clock.decode_step(built - tic, 0.0, waited + PERF() - built)
         chosen = best.tolist()
         kept = 0
         while kept < len(draft) and draft[kept] == chosen[kept]:
