@@ -142,5 +142,4 @@ class Speculation:
         seq.pending = None
 
 
-
 __all__ = ["Speculation", "model_speculates", "speculation_for", "step_aside"]
