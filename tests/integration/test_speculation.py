@@ -133,3 +133,26 @@ def test_sampled_and_biased_requests_step_aside(servers):
         r = oai.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": COUNT}], max_tokens=40, **extra)
         assert r.usage.completion_tokens > 0
     assert spec_counters(spec) == before
+
+
+def test_a_models_own_setting_turns_speculation_off_at_its_next_load(servers):
+    spec, _ = servers
+    base = spec.base_url
+
+    def reload() -> None:
+        assert httpx.post(f"{base}/v1/models/{SMOL}/unload", timeout=60).status_code == 200
+        assert httpx.post(f"{base}/v1/models/{SMOL}/load", timeout=120).status_code == 200
+
+    r = httpx.put(f"{base}/api/models/{SMOL}/settings", json={"speculation": False}, timeout=10)
+    assert r.status_code == 200 and r.json()["settings"]["speculation"] is False
+    try:
+        reload()
+        before = spec_counters(spec)
+        assert ask(spec, COUNT, max_tokens=40)[3] == "length"
+        assert spec_counters(spec) == before
+    finally:
+        httpx.put(f"{base}/api/models/{SMOL}/settings", json={"speculation": None}, timeout=10)
+        reload()
+    before = spec_counters(spec)
+    ask(spec, COUNT, max_tokens=40)
+    assert spec_counters(spec)[0] > before[0]
