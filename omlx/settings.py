@@ -97,6 +97,21 @@ SETTINGS: tuple[Setting, ...] = (
         summary="CUDA: dummy prompt that builds graphs (0=off)",
     ),
     Setting(
+        "speculation",
+        bool,
+        True,
+        "Prompt-lookup speculative decoding: a request decoding alone drafts up to --draft-max tokens from n-grams of its own prompt and output and verifies them in one forward pass (greedy requests without logits processors, on models with only full-attention layers; output unchanged); a request whose drafts are mostly rejected stops drafting for a while. A model's own `speculation` setting overrides it.",
+        summary="Prompt-lookup speculation (--no-speculation: off)",
+    ),
+    Setting(
+        "draft_max",
+        int,
+        8,
+        "Most tokens a speculative draft holds (its length adapts to what the request accepts).",
+        minimum=1,
+        summary="Most tokens a speculative draft holds",
+    ),
+    Setting(
         "default_max_tokens",
         int,
         4096,

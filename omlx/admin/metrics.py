@@ -72,6 +72,8 @@ class ModelSeries:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    drafted_tokens: int = 0  # speculative draft tokens verified, and accepted
+    accepted_tokens: int = 0
     histograms: dict[str, Histogram] = field(
         default_factory=lambda: {name: Histogram(bounds) for name, bounds in HISTOGRAMS.items()}
     )
@@ -133,6 +135,8 @@ class RequestMetrics:
             series.prompt_tokens += prompt
             series.cached_tokens += cached
             series.completion_tokens += completion
+            series.drafted_tokens += int(result.get("drafted_tokens", 0))
+            series.accepted_tokens += int(result.get("accepted_tokens", 0))
             if result.get("cache") is not None:
                 series.add_cache(result["cache"])
             h = series.histograms
@@ -152,6 +156,7 @@ class RequestMetrics:
             return {
                 model: ModelSeries(
                     dict(s.finished), s.prompt_tokens, s.cached_tokens, s.completion_tokens,
+                    s.drafted_tokens, s.accepted_tokens,
                     {n: Histogram(h.bounds, list(h.counts), h.sum, h.count) for n, h in s.histograms.items()},
                     {t: list(v) for t, v in s.restored.items()}, {r: list(v) for r, v in s.computed.items()},
                 )

@@ -34,6 +34,8 @@ class EngineConfig:
     track_shapes: bool  # remember the prefill chunks' attention shapes built (`PrefillShapes`)
     idle_empties_cache: bool  # an idle engine empties what other threads freed into MLX's cache
     prefill_quantum: int | None = None  # asked for (None: chosen by `prefill_grid`)
+    speculation: bool = True  # prompt-lookup drafts verified in one pass (docs/design/speculation.md)
+    draft_max: int = 8  # the longest draft
 
     @classmethod
     def resolve(
@@ -49,6 +51,8 @@ class EngineConfig:
         graph_warmup_tokens: int = 0,
         graph_shapes: bool | None = None,
         idle_empties_cache: bool | None = None,
+        speculation: bool = True,
+        draft_max: int = 8,
     ) -> EngineConfig:
         """The settings given, with every None resolved for this device."""
         gpu = discrete_gpu()
@@ -66,6 +70,8 @@ class EngineConfig:
             track_shapes=gpu if graph_shapes is None else graph_shapes,
             idle_empties_cache=gpu if idle_empties_cache is None else idle_empties_cache,
             prefill_quantum=prefill_quantum,
+            speculation=speculation and draft_max > 0,
+            draft_max=max(0, draft_max),
         )
 
     @property

@@ -23,15 +23,16 @@ DEVICE_SHARE = 0.9
 class KvBudget:
     """`bytes_per_token` of this model's KV cache (0: not known, nothing is limited); `cap`
     the most this engine's sequences may hold (`--max-kv-memory`, None: what the device
-    leaves); `device_bytes` the device's memory."""
+    leaves); `device_bytes` the device's memory; `draft_tokens` the longest speculative draft."""
 
     bytes_per_token: int
     device_bytes: int
     cap: int | None = None
+    draft_tokens: int = 0  # a verify's headroom: a draft's tokens sit in the cache until trimmed
 
     def reservation(self, prompt_tokens: int, max_tokens: int) -> int:
         """Tokens a request reserves at admission."""
-        return prompt_tokens + min(max(max_tokens, 1), RESERVE_MARGIN_TOKENS)
+        return prompt_tokens + min(max(max_tokens, 1), RESERVE_MARGIN_TOKENS) + self.draft_tokens
 
     def room(self, active_bytes: int, held_bytes: int, hot_bytes: int) -> int:
         """Bytes this engine's sequences may hold now: `active_bytes` is all the memory MLX

@@ -31,6 +31,7 @@ from omlx.engine.request import GenerationEvent, GenerationRequest
 from omlx.engine.request_state import RequestState, Status, Update
 from omlx.engine.runner import Runner
 from omlx.engine.scheduler import Places, Scheduler
+from omlx.engine.speculation import model_speculates
 from omlx.engine.step_clock import PERF
 from omlx.errors import EngineError
 from omlx.models.loader import LoadedLLM
@@ -225,7 +226,8 @@ class LLMEngine:
             # scoring): mlx-lm's default `generation_stream` is shared by every BatchGenerator in
             # the process, and mixing streams within an engine made MLX's CUDA backend hang.
             self._stream = mx.new_stream(mx.default_device())
-            self.kv_budget = KvBudget(kv_bytes_per_token(self.model), memory_limit_total(), self._max_kv_memory)
+            drafts = self.config.draft_max if self.config.speculation and model_speculates(self.model, self.model_id) else 0
+            self.kv_budget = KvBudget(kv_bytes_per_token(self.model), memory_limit_total(), self._max_kv_memory, drafts)
             self.runner = Runner(
                 loaded, self.config, self.prefix_cache, self.kv_budget, quantum=self.prefill_quantum,
                 eos_ids=self.eos_ids, model_id=self.model_id, stream=self._stream,

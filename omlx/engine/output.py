@@ -90,10 +90,11 @@ class Output:
         tps = (state.completion_tokens - 1) / decode_s if decode_s > 0 and state.completion_tokens > 1 else 0.0
         log.info(
             "request=%s model=%s prompt=%d cached=%d completion=%d queue=%.3fs ttft=%.3fs restore=%.3fs "
-            "decode=%.1ftok/s finish=%s cache=%s%s",
+            "decode=%.1ftok/s finish=%s cache=%s%s%s",
             state.id, self.model_id, state.prompt_len, state.cached_tokens, state.completion_tokens, state.queued,
             ttft, state.prefill_start - state.start, tps, reason, "hit" if state.cached_tokens else "miss",
             f" {report.log_fields()}" if (report := state.cache_report) is not None else "",
+            f" drafted={state.drafted} accepted={state.accepted}" if state.drafted else "",
         )  # fmt: skip
         if self.on_finished is not None:
             self.on_finished(
@@ -109,6 +110,8 @@ class Output:
                     "decode_s": decode_s,
                     "e2e_s": now - state.start,
                     "decode_tps": tps,
+                    "drafted_tokens": state.drafted,
+                    "accepted_tokens": state.accepted,
                     "cache": state.cache_report,
                 },
             )

@@ -66,6 +66,9 @@ class RequestState:
     stop_sequences: Any = None
     solo: Any = None  # its SoloSequence while it runs outside the BatchGenerator
     rope_delta: int = 0  # a vision prompt's M-RoPE delta (engine/vision_lm.py), which its cache carries
+    spec: Any = None  # its `Speculation` while it decodes solo and speculates
+    drafted: int = 0  # draft tokens verified for it, and accepted (speculation.md)
+    accepted: int = 0
     captures: Any = None  # a stateful model's layer-state snapshots (`Captures`), for its stores
     store_prompt: bool = False  # a solo prefill's prompt blocks are due to be stored
     first_token: float | None = None
@@ -82,6 +85,7 @@ class RequestState:
         """Drop what only its computation needs (its solo cache, layer-state snapshots, sampler
         and processors)."""
         self.solo = None
+        self.spec = None
         self.captures = None
         self.sampler = None
         self.processors = []

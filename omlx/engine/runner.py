@@ -48,6 +48,7 @@ from omlx.engine.solo import (
     plain_kv,
     sdpa_graph_capacity,
 )
+from omlx.engine.speculation import speculation_for
 from omlx.engine.step_clock import StepClock, TimedForward
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.engine.store_queue import StoreQueue
@@ -96,8 +97,7 @@ class Runner:
     def run(self, plan: StepPlan) -> StepOut:
         """Run one planned step."""
         if plan.solo is not None:
-            token = self.solo_step(plan.solo)
-            return StepOut(tokens=[token] if token is not None else [])
+            return StepOut(tokens=self.solo_step(plan.solo))
         joined = self.prefill_newcomers(plan.prefill) if plan.prefill else []
         ended, tokens = self.batch_step(plan.single)
         return StepOut(tokens, joined, ended)
@@ -301,6 +301,8 @@ class Runner:
                 captures=state.captures, clock=self.clock, vision=vision,
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
+            if alone:
+                state.spec = speculation_for(state, self.config, self.eos_ids)
         else:
             self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH
@@ -355,8 +357,9 @@ class Runner:
         self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
 
     # ----- sequences outside the batch -----------------------------------------------
-    def solo_step(self, state: RequestState) -> TokenOut | None:
-        """One chunk of the solo prompt (None while more remain), or one token."""
+    def solo_step(self, state: RequestState) -> list[TokenOut]:
+        """One chunk of the solo prompt (no tokens while more remain), or its next tokens: one,
+        or a verified draft's (speculation.py)."""
         solo = state.solo
         if solo.prefilling:
             self.clock.prefilled()
@@ -368,24 +371,30 @@ class Runner:
                 solo.step_size = paced_step(
                     solo.step_size, self.config.solo_prefill_step_size, len(solo.fed) - before, seconds, solo.quantum
                 )
-                return None
+                return []
             self.observe_prefill(state)
             state.store_prompt = self.prompts.wants_prompt_blocks(state)
-        # launch the next step unless this token is the last one allowed
-        return self.solo_token(state, launch=state.completion_tokens + 1 < state.request.max_tokens)
+        left = state.request.max_tokens - state.completion_tokens
+        if state.spec is not None and (outs := state.spec.outs(state, left, self._solo_out)) is not None:
+            return outs
+        return [self.solo_token(state, launch=left > 1)]  # no next step after the last token allowed
 
     def solo_token(self, state: RequestState, *, launch: bool) -> TokenOut:
         """The solo sequence's pending token, as a batch's would come."""
-        solo = state.solo
-        token, logprobs = solo.next(launch=launch)
-        req = state.request
+        token, logprobs = state.solo.next(launch=launch)
+        return self._solo_out(state, token, logprobs, 0, lambda: None)
+
+    def _solo_out(self, state: RequestState, token: int, logprobs: Any, ahead: int, cut: Callable[[], None]) -> TokenOut:
+        """`token`, `ahead` after the last one emitted, with its finish if it ends the request (then `cut`)."""
+        solo, req = state.solo, state.request
         reason = None
         if token in self.eos_ids or token in req.stop_token_ids:
             reason = "stop"
-        elif state.completion_tokens + 1 >= req.max_tokens:
+        elif state.completion_tokens + ahead + 1 >= req.max_tokens:
             reason = "length"
         if reason is None:
             return TokenOut(state, token, logprobs)
+        cut()
         if state.store_prompt:  # its prompt's own blocks (a tail keyed by the prompt alone), stored after its end
             state.store_prompt = False
             self.stores.add(solo.fed[: self.prompts.prompt_stored(state)], solo.cache, self.prompts.states(state))

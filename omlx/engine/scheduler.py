@@ -328,6 +328,8 @@ class Scheduler:
         touched: list[RequestState] = []
         for out in outs:
             state = out.state
+            if state.status is Status.FINISHED:  # a stop string ended it at an earlier token of this step
+                continue
             hit = self.output.add_token(state, out)
             if hit:
                 if out.finish_reason is None:

@@ -36,6 +36,7 @@ class ModelSettings(GenerationDefaults):
     pinned: bool = False
     ttl: int | None = Field(default=None, ge=0, description="Idle seconds before unload; 0 = never")
     type: Literal["llm", "embedding", "reranker"] | None = None
+    speculation: bool | None = Field(default=None, description="Prompt-lookup speculation (None: the server's)")
     profiles: dict[str, GenerationDefaults] = Field(default_factory=dict)
 
     def effective(self, profile: str | None) -> GenerationDefaults:

@@ -80,6 +80,8 @@ def llm_factory(
             on_finished=on_finished,
             graph_warmup_tokens=settings.graph_warmup_tokens,
             max_kv_memory=kv_memory,
+            speculation=settings.speculation if ms.speculation is None else ms.speculation,
+            draft_max=settings.draft_max,
         )
 
     return make

@@ -444,6 +444,18 @@ def test_a_stop_string_ends_the_request_and_asks_to_drop_its_sequence() -> None:
     assert "".join(e.text for _, e in sent) == "<5>"
 
 
+def test_tokens_of_one_step_after_a_stop_string_are_never_emitted() -> None:
+    """A speculative step returns several tokens of one request; a stop string ends it at one."""
+    sched, sent = make()
+    s = state("s", stop=["<7>"])
+    sched.submit(s)
+    admit_all(sched)
+    result = sched.update([TokenOut(s, 5), TokenOut(s, 7), TokenOut(s, 8), TokenOut(s, 9, finish_reason="length")])
+    assert result.dropped == [s] and not result.stores
+    assert s.completion_tokens == 2 and s.generated == [5, 7]
+    assert [e.finish_reason for _, e in sent] == ["stop"] and sent[-1][1].text == "<5>"
+
+
 def test_logprobs_are_read_only_when_asked_for() -> None:
     sched, sent = make()
     s = state("s")

@@ -1,0 +1,147 @@
+"""What prompt-lookup speculation buys, in one run: oMLX with speculation vs oMLX without it, two
+servers on the same weights (Qwen2.5-Coder-0.5B-Instruct in float32 by default).
+
+  (a) edit: a ~2,000-token source file and "return the file with function X renamed to Y";
+      batch-1 decode tok/s with vs without — goal >= 2.0x, and the same tokens on both sides;
+  (b) free-form chat (nothing to copy): batch-1 decode tok/s with vs without — goal >= 0.95x.
+
+Greedy, the requests users send (no logit_bias); both servers keep a hot prefix cache, so the
+prompt is prefilled once per server and rounds measure decode. The two sides alternate within
+each round; best and median of --repeats rounds are reported.
+
+    .venv/bin/python benchmarks/bench_speculation.py            # ~10 min on 2 CPUs
+    .venv/bin/python benchmarks/bench_speculation.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import (  # noqa: E402
+    QuietPolicy,
+    Row,
+    Server,
+    header_info,
+    log,
+    machine_summary,
+    mean,
+    prepare_model,
+    print_table,
+    run,
+    stream_many,
+    warn_if_busy,
+    write_json,
+)
+
+SOURCE = Path(__file__).resolve().parent.parent / "omlx" / "engine" / "solo.py"
+OLD, NEW = "_chunk_len", "next_chunk_length"  # defined and called in the file's first ~2,000 tokens
+CHAT = "Tell me a short original story about a lighthouse keeper who finds a strange map. Use vivid details."
+
+
+def edit_prompt(model, tokens: int) -> list[dict[str, str]]:
+    """The source file cut at a line boundary near `tokens` tokens, and the rename asked for."""
+    lines, kept = SOURCE.read_text().splitlines(keepends=True), []
+    for line in lines:
+        if model.count_tokens("".join(kept + [line])) > tokens:
+            break
+        kept.append(line)
+    code = "".join(kept)
+    assert OLD in code
+    ask = f"Return this whole file with the function `{OLD}` renamed to `{NEW}` (its definition and every call). Reply with the code only."
+    return [{"role": "user", "content": f"```python\n{code}```\n\n{ask}"}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", help="MLX model folder (default: Qwen2.5-Coder-0.5B-Instruct, tests/support/qwen_coder.py)")
+    ap.add_argument("--file-tokens", type=int, default=2000, help="tokens of source file in the edit prompt (default 2000)")
+    ap.add_argument("--edit-tokens", type=int, default=256, help="edit output measured, tokens (default 256)")
+    ap.add_argument("--chat-tokens", type=int, default=128, help="chat output measured, tokens (default 128)")
+    ap.add_argument("--draft-max", type=int, default=8, help="--draft-max of the speculating server (default 8)")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds; best and median reported (default 2)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: shorter outputs, one round")
+    ap.add_argument("--quiet-budget", type=float, default=300,
+                    help="seconds to spend waiting for other processes to go idle (default 300)")  # fmt: skip
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    args = ap.parse_args()
+    if args.quick:
+        args.edit_tokens, args.chat_tokens, args.repeats = 64, 32, 1
+        args.quiet_budget = min(args.quiet_budget, 30)
+    if args.model_path is None:
+        from tests.support.qwen_coder import qwen_coder_dir
+
+        args.model_path = str(qwen_coder_dir())
+    model = prepare_model(args.model_path)
+    info = header_info(sys.argv, model)
+    edit = edit_prompt(model, args.file_tokens)
+    chat = [{"role": "user", "content": CHAT}]
+    print(f"# bench_speculation — {info['date']}\n\nmachine: {machine_summary()}\nmodel: {model.path} (float32)")
+    print(f"workload: (a) edit, {model.count_tokens(edit[0]['content'])}-token prompt, {args.edit_tokens} tokens out; "
+          f"(b) chat, {args.chat_tokens} tokens out; batch 1, greedy; draft max {args.draft_max}; {args.repeats} rounds")  # fmt: skip
+    warn_if_busy()
+    common = ["--hot-cache-only"]
+    sides = {
+        "spec": Server("omlx", model, [*common, "--speculation", "--draft-max", str(args.draft_max)], "oMLX speculating"),
+        "plain": Server("omlx", model, [*common, "--no-speculation"], "oMLX"),
+    }
+    quiet = QuietPolicy(args.quiet_budget)
+    noise: list[float] = []
+    figures: dict[str, list[float]] = {f"{w}_{s}": [] for w in ("edit", "chat") for s in sides}
+    texts: dict[str, set[str]] = {f"{w}_{s}": set() for w in ("edit", "chat") for s in sides}
+
+    def one(side: str, work: str) -> float:
+        messages, n = (edit, args.edit_tokens) if work == "edit" else (chat, args.chat_tokens)
+        (r,), _ = run(stream_many(sides[side], [messages], n))
+        texts[f"{work}_{side}"].add(r.text)
+        return r.decode_tps
+
+    try:
+        for name, server in sides.items():
+            log(f"starting {server.label}")
+            server.start()
+            log(f"  prefilling both prompts once (BLAS: {server.blas()})")
+            one(name, "edit")
+            one(name, "chat")
+        for rnd in range(1, args.repeats + 1):
+            for work in ("edit", "chat"):
+                for side in ("spec", "plain") if rnd % 2 else ("plain", "spec"):
+                    log(f"round {rnd}: {work}, {sides[side].label}")
+                    tps, others = quiet.measure(lambda s=side, w=work: one(s, w), lambda s=side: [sides[s].pid])
+                    noise.append(others)
+                    figures[f"{work}_{side}"].append(tps)
+                    log(f"  decode {tps:.2f} tok/s")
+        logs = {name: server.log_path.read_text(errors="replace") for name, server in sides.items()}
+    except BaseException:
+        for server in sides.values():
+            if server.proc is not None and server.proc.poll() is None:
+                log(f"{server.label} log tail:\n{server.log_tail()}")
+        raise
+    finally:
+        for server in sides.values():
+            server.cleanup()
+
+    best = {k: max(v) for k, v in figures.items()}
+    median = {k: statistics.median(v) for k, v in figures.items()}
+    rows = []
+    for label, work, goal in (("a", "edit", 2.0), ("b", "chat", 0.95)):
+        for how, agg in (("best", best), ("median", median)):
+            rows.append(Row(f"({label}) {work} batch-1 decode, {how}", agg[f"{work}_spec"], agg[f"{work}_plain"],
+                            "tok/s", True, goal, "no speculation"))  # fmt: skip
+    print_table("batch-1 decode with vs without speculation", rows)
+    same = {work: texts[f"{work}_spec"] == texts[f"{work}_plain"] and len(texts[f"{work}_spec"]) == 1 for work in ("edit", "chat")}
+    print(f"\nsame text on both sides, every round: edit {same['edit']}, chat {same['chat']}")
+    drafted = [line.split("drafted=")[1] for line in logs["spec"].splitlines() if "drafted=" in line]
+    print(f"speculating server's requests (drafted/accepted): {', '.join(d.replace(' accepted=', '/') for d in drafted)}")
+    print(f"\nnoise: other processes used {mean(noise):.2f} cores on average (at most {max(noise):.2f}) "
+          f"during the {len(noise)} measurements")  # fmt: skip
+    write_json(args.json, {**info, "figures": figures, "same_text": same, "rows": [r.as_dict() for r in rows]})
+
+
+if __name__ == "__main__":
+    main()

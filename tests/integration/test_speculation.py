@@ -1,0 +1,158 @@
+"""Prompt-lookup speculation through a real `omlx serve` on the real SmolLM2 in float32: greedy
+output, logprobs, stop strings, `max_tokens` and streams are what the same server gives without
+speculation, alone and in a batch, while drafts are verified and accepted
+(docs/design/speculation.md)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.support.server import ServerProcess
+
+SMOL = "SmolLM2-135M-Instruct"
+# prompts whose answers repeat the prompt (drafts accepted) and one that does not
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nRename the function add to plus and return the whole code."
+COUNT = "Count from 1 to 40, separated by commas."
+FRUIT = (
+    "Here is a list:\n1. apples\n2. bananas\n3. cherries\n4. dates\n5. elderberries\n"
+    "Rewrite the list in the same order, adding the word 'fresh' before each fruit."
+)
+FREE = "What is the capital of France?"
+PROMPTS = [CODE, COUNT, FRUIT, FREE]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory):
+    """(with speculation and the hot prefix cache, without speculation and without a cache)."""
+    from omlx.models.default_model import provision_default_model
+
+    root = tmp_path_factory.mktemp("spec-models")
+    provision_default_model(root)
+    homes = [tmp_path_factory.mktemp("spec-home"), tmp_path_factory.mktemp("plain-home")]
+    spec = ServerProcess(homes[0], ["--model-dir", str(root), "--model", SMOL, "--hot-cache-only", "--draft-max", "8"])
+    plain = ServerProcess(homes[1], ["--model-dir", str(root), "--model", SMOL, "--no-cache", "--no-speculation"])
+    spec.start()
+    plain.start()
+    yield spec, plain
+    spec.stop()
+    plain.stop()
+    for home in homes:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def ask(server: ServerProcess, prompt: str, **kwargs) -> tuple[str, list[str], list[float], str]:
+    """(text, tokens, their logprobs, finish reason) of a greedy chat answer."""
+    kwargs = {"max_tokens": 80, **kwargs}
+    r = client(server).chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": prompt}], temperature=0, logprobs=True, **kwargs
+    )
+    choice = r.choices[0]
+    content = choice.logprobs.content if choice.logprobs is not None and choice.logprobs.content else []
+    return choice.message.content, [t.token for t in content], [t.logprob for t in content], choice.finish_reason
+
+
+def spec_counters(server: ServerProcess) -> tuple[float, float]:
+    text = httpx.get(server.base_url + "/metrics").text
+
+    def value(name: str) -> float:  # a model's series starts with its first finished request
+        assert f"# HELP {name}" in text
+        m = re.search(rf'^{name}_total{{model="{SMOL}"}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m is not None else 0.0
+
+    return value("omlx_spec_decode_num_draft_tokens"), value("omlx_spec_decode_num_accepted_tokens")
+
+
+def test_greedy_answers_and_logprobs_are_unchanged_while_drafts_are_accepted(servers):
+    spec, plain = servers
+    before = spec_counters(spec)
+    for prompt in PROMPTS:
+        text, tokens, logprobs, finish = ask(spec, prompt)
+        ref_text, ref_tokens, ref_logprobs, ref_finish = ask(plain, prompt)
+        assert (text, tokens, finish) == (ref_text, ref_tokens, ref_finish), prompt
+        assert logprobs == pytest.approx(ref_logprobs, abs=2e-3)
+    drafted, accepted = (a - b for a, b in zip(spec_counters(spec), before, strict=True))
+    assert drafted > 0 and accepted > drafted / 3, (drafted, accepted)
+    assert spec_counters(plain) == (0, 0)
+    lines = [line for line in spec.log().splitlines() if "request=" in line and " drafted=" in line]
+    assert lines and all(re.search(r" drafted=\d+ accepted=\d+", line) for line in lines)
+
+
+def test_stop_strings_and_max_tokens_end_where_they_would_without_speculation(servers):
+    spec, plain = servers
+    for kwargs in ({"max_tokens": 1}, {"max_tokens": 2}, {"max_tokens": 7}, {"max_tokens": 33}, {"stop": ["15"]}, {"stop": [", 2"]}):
+        got = ask(spec, COUNT, **kwargs)
+        want = ask(plain, COUNT, **kwargs)
+        assert (got[0], got[1], got[3]) == (want[0], want[1], want[3]), kwargs
+
+
+def test_a_stream_carries_the_accepted_tokens_several_per_event(servers):
+    spec, plain = servers
+    chunks = list(
+        client(spec).chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": COUNT}], temperature=0, max_tokens=80,
+            logprobs=True, stream=True,
+        )
+    )  # fmt: skip
+    per_event = [len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs]
+    assert max(per_event) > 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ask(plain, COUNT)[0]
+
+
+def test_mixed_batches_and_cached_turns_answer_as_without_speculation(servers):
+    spec, plain = servers
+    want = {p: ask(plain, p)[:2] for p in PROMPTS}
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # one speculates alone, then all share the batch
+        got = dict(zip(PROMPTS, pool.map(lambda p: ask(spec, p)[:2], PROMPTS), strict=True))
+    assert got == want
+    # a next turn restores the previous answer from the prefix cache: only accepted tokens were stored
+    turn = [{"role": "user", "content": CODE}, {"role": "assistant", "content": want[CODE][0]},
+            {"role": "user", "content": "Now rename sub to minus and return the whole code."}]  # fmt: skip
+    answers = [
+        client(s).chat.completions.create(model=SMOL, messages=turn, temperature=0, max_tokens=60) for s in (spec, plain)
+    ]
+    assert answers[0].usage.prompt_tokens_details.cached_tokens > 0
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+def test_sampled_and_biased_requests_step_aside(servers):
+    spec, _ = servers
+    before = spec_counters(spec)
+    oai = client(spec)
+    for extra in ({"temperature": 0.7, "seed": 3}, {"temperature": 0, "logit_bias": {"11": 1.0}}):
+        r = oai.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": COUNT}], max_tokens=40, **extra)
+        assert r.usage.completion_tokens > 0
+    assert spec_counters(spec) == before
+
+
+def test_a_models_own_setting_turns_speculation_off_at_its_next_load(servers):
+    spec, _ = servers
+    base = spec.base_url
+
+    def reload() -> None:
+        assert httpx.post(f"{base}/v1/models/{SMOL}/unload", timeout=60).status_code == 200
+        assert httpx.post(f"{base}/v1/models/{SMOL}/load", timeout=120).status_code == 200
+
+    r = httpx.put(f"{base}/api/models/{SMOL}/settings", json={"speculation": False}, timeout=10)
+    assert r.status_code == 200 and r.json()["settings"]["speculation"] is False
+    try:
+        reload()
+        before = spec_counters(spec)
+        assert ask(spec, COUNT, max_tokens=40)[3] == "length"
+        assert spec_counters(spec) == before
+    finally:
+        httpx.put(f"{base}/api/models/{SMOL}/settings", json={"speculation": None}, timeout=10)
+        reload()
+    before = spec_counters(spec)
+    ask(spec, COUNT, max_tokens=40)
+    assert spec_counters(spec)[0] > before[0]
