@@ -55,6 +55,7 @@ class GenerationRequest:
     constraint: Any = None
     # a vision prompt's images (`vision_input.VisionInput`): prefilled by the engine with their features
     vision: Any = None
+    rewritten_turns: int = 0  # earlier answers the chat template rewrote (the cache's `template` reason)
     created: float = field(default_factory=time.time)
 
 

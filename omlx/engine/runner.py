@@ -18,6 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from omlx.cache.interface import PrefixCacheInterface
 from omlx.cache.loader.loading import Loading
 from omlx.cache.plan.restore_plan import RestorePlan
+from omlx.cache.plan.why import template_rewrote
 from omlx.engine import load_warmup, vision_admit
 from omlx.engine.buffers import trim_buffer_cache
 from omlx.engine.config import EngineConfig
@@ -281,7 +282,7 @@ class Runner:
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
         looked = time.perf_counter()
         cache, cached = self.cache.cache_for(loading, lambda c, n: self._fit(c, n, state.plan, alone, step))
-        state.cache_report = loading.report
+        state.cache_report = template_rewrote(loading.report, req.rewritten_turns)
         own = self._owns_prefill(len(tokens) - cached, alone) or req.vision is not None
         vision = None
         if req.vision is not None:  # its chunks carry the images' features (vision_admit.py)

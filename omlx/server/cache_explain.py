@@ -13,7 +13,7 @@ from pydantic import Field
 
 from omlx.api.openai_models import ChatCompletionRequest, ChatMessage
 from omlx.api.wire import Lenient
-from omlx.cache.plan.why import explain, plan_dict
+from omlx.cache.plan.why import explain, plan_dict, template_rewrote
 from omlx.errors import InvalidRequestError
 from omlx.server.chat_pipeline import render_prompt
 from omlx.server.openai_chat import chat_turn
@@ -34,21 +34,24 @@ class CacheExplainBody(Lenient):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def explain_on_engine(engine: Any, tokens: list[int]) -> dict[str, Any]:
-    """On the engine's thread: the plan its scheduler would make for `tokens` and its report."""
+def explain_on_engine(engine: Any, tokens: list[int], rewritten: int = 0) -> dict[str, Any]:
+    """On the engine's thread: the plan its scheduler would make for `tokens` and its report
+    (`rewritten`: earlier answers the chat template rewrote, as the runner reads it)."""
     cache = engine.prefix_cache
     plan = cache.match(tokens, grid=engine.prefill_quantum)
-    return {**explain(plan).to_dict(), "plan": plan_dict(plan)}
+    return {**template_rewrote(explain(plan), rewritten).to_dict(), "plan": plan_dict(plan)}
 
 
-async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, request: Request) -> list[int]:
+async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, request: Request) -> tuple[list[int], int]:
     """The tokens the request would send to the engine: its messages rendered as the chat route
-    renders them (the same turn, media policy and turn memory), or its prompt."""
+    renders them (the same turn, media policy and turn memory), or its prompt; with how many
+    earlier answers the template rewrote."""
     if body.messages is not None:
         chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
                                      tool_choice=body.tool_choice, chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
         turn = chat_turn(chat, media_policy(request, body.model))
-        return (await render_prompt(engine, resolved, turn, request.app.state.turn_memory)).tokens
+        rendered = await render_prompt(engine, resolved, turn, request.app.state.turn_memory)
+        return rendered.tokens, rendered.rewritten
     if isinstance(body.prompt, str):
         tokens = list(await asyncio.to_thread(engine.tokenizer.encode, body.prompt))
     else:
@@ -58,7 +61,7 @@ async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, requ
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
     if not tokens:
         raise InvalidRequestError("prompt must not be empty.", param="prompt")
-    return tokens
+    return tokens, 0
 
 
 @router.post("/cache/explain")
@@ -67,6 +70,6 @@ async def cache_explain(body: CacheExplainBody, request: Request) -> dict[str, A
     if (body.messages is None) == (body.prompt is None):  # before a model is leased (or loaded)
         raise InvalidRequestError("Give exactly one of messages or prompt.", param="messages")
     async with request.app.state.pool.lease(body.model, "llm") as (engine, resolved):
-        tokens = await prompt_tokens(engine, resolved, body, request)
-        answer = await engine.call(lambda: explain_on_engine(engine, tokens))
+        tokens, rewritten = await prompt_tokens(engine, resolved, body, request)
+        answer = await engine.call(lambda: explain_on_engine(engine, tokens, rewritten))
         return {"model": resolved.info.id, "prompt_tokens": len(tokens), **answer}

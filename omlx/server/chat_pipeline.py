@@ -254,6 +254,7 @@ async def prepare_chat(
         logprobs=turn.logprobs,
         constraint=constraint,
         vision=vision,
+        rewritten_turns=rewritten,
     )
     bind(request_id=request.request_id)
     return PreparedChat(

@@ -58,8 +58,9 @@ def server(tmp_path_factory):
     shutil.rmtree(home, ignore_errors=True)
 
 
-def chat_session(server, model: str) -> list[tuple[int, int, int]]:
-    """(prompt, cached, completion) tokens per turn, over chat completions."""
+def chat_session(server, model: str, reasons: list[str] | None = None) -> list[tuple[int, int, int]]:
+    """(prompt, cached, completion) tokens per turn, over chat completions (each turn's cache
+    reason, usage's `omlx.cache.reason`, appended to `reasons`)."""
     oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}}]
     messages: list[dict] = [{"role": "system", "content": "You are an agent on chat completions."}]
@@ -81,6 +82,8 @@ def chat_session(server, model: str) -> list[tuple[int, int, int]]:
             last_call = message.tool_calls[0].id
         messages.append(sent)
         usage.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens, r.usage.completion_tokens))
+        if reasons is not None:
+            reasons.append(r.usage.model_extra["omlx"]["cache"]["reason"])
     return usage
 
 
@@ -144,7 +147,10 @@ def test_a_template_that_keeps_reasoning_restores_every_previous_prompt_and_answ
 
 
 def test_a_template_that_drops_past_reasoning_restores_every_previous_prompt_and_says_why(server):
-    usage = chat_session(server, DROPS)
+    reasons: list[str] = []
+    usage = chat_session(server, DROPS, reasons)
     for k in range(1, len(usage)):
         assert usage[k][1] >= usage[k - 1][0] - BLOCK, (k, usage)
     assert "the chat template rewrote" in server.log()
+    # where the restore ends early, the usage names the template, never a bare `diverged`
+    assert "template" in reasons[1:] and "diverged" not in reasons, reasons

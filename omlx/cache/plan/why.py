@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omlx.cache.plan.restore_plan import RestorePlan, Tier
@@ -23,6 +23,7 @@ class Reason(enum.Enum):
     NO_PREFIX = "no_prefix"  # nothing cached goes on from there: new tokens
     EVICTED = "evicted"  # a block or tail held there was let go for room
     DIVERGED = "diverged"  # a cached prompt goes on from there with other tokens (a changed history)
+    TEMPLATE = "template"  # diverged where the chat template rewrote a turn this server generated
     FINGERPRINT = "fingerprint"  # the prompt's first block is cached for another build of this model
     SLOWER = "slower"  # a restore judged slower than recomputing (or a read-ahead cut short as such)
     NO_STATE = "no_state"  # cached tokens go on, but a stateful model has no layer state there
@@ -181,6 +182,15 @@ def explain(plan: RestorePlan, outcome: Outcome | None = None, cached: int | Non
             "block differ): the history differs from what was cached",
         )  # fmt: skip
     return report(Reason.NO_PREFIX, f"nothing cached goes on from token {n + used}: new tokens")
+
+
+def template_rewrote(report: CacheReport | None, turns: int) -> CacheReport | None:
+    """`report`, its `diverged` named as the chat template's doing where the request's template rewrote
+    `turns` earlier answers this server generated (the chat pipeline knows; the cache cannot)."""
+    if report is None or turns <= 0 or report.reason is not Reason.DIVERGED:
+        return report
+    why = f"the chat template rewrote {turns} earlier assistant turn(s) sent back as generated (e.g. it drops past reasoning)"
+    return replace(report, reason=Reason.TEMPLATE, detail=f"{why}; {report.detail}")
 
 
 def _short(outcome: Outcome, got: int, planned: int, report: Callable[[Reason, str], CacheReport]) -> CacheReport:
