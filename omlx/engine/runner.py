@@ -80,8 +80,7 @@ class Runner:
         # windows / recurrent layers: the engine prefills every prompt itself, in chunks ending
         # on the cache's capture points, and snapshots their state (docs/design/cache-kinds.md)
         self.stateful = cache.blocks.captures_states
-        self.eos_ids = eos_ids
-        self.model_id = model_id
+        self.eos_ids, self.model_id = eos_ids, model_id
         self.stream = stream  # the engine's one MLX stream
         self.on_restored = on_restored  # a read-ahead's background reads are over
         # the prefill chunks' attention shapes this thread has built graphs for (`onto_built_shapes`)
@@ -270,28 +269,24 @@ class Runner:
         req = state.request
         tokens = req.prompt_tokens
         taken = state.taken or time.perf_counter()
-        prompt_logprobs = None
-        if req.prompt_logprobs is not None:
-            prompt_logprobs = compute_prompt_logprobs(self.model, tokens, req.prompt_logprobs)
+        logprobs_k = req.prompt_logprobs
+        prompt_logprobs = None if logprobs_k is None else compute_prompt_logprobs(self.model, tokens, logprobs_k)
         if req.max_tokens <= 0:
             event = GenerationEvent(finish_reason="length", prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
             return Admitted(Admission.ANSWERED, event=event)
-        if state.plan is None:  # asked for no read-ahead (no tokens to generate is answered above)
-            state.plan = self.cache.match(tokens, grid=self.quantum)
+        state.plan = state.plan or self.cache.match(tokens, grid=self.quantum)  # no read-ahead was asked for
         loading, state.loading = state.loading or self.cache.load(state.plan), None
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
         looked = time.perf_counter()
         cache, cached = self.cache.cache_for(loading, lambda c, n: self._fit(c, n, state.plan, alone, step))
         state.cache_report = template_rewrote(loading.report, req.rewritten_turns)
         own = self._owns_prefill(len(tokens) - cached, alone) or req.vision is not None
-        vision = None
-        if req.vision is not None:  # its chunks carry the images' features (vision_admit.py)
-            cache, vision = vision_admit.solo_parts(self.model, state, cache, cached)
-        if log.isEnabledFor(logging.DEBUG):  # where a request's `restore=` time goes
+        # a vision prompt's chunks carry the images' features (vision_admit.py)
+        cache, vision = vision_admit.solo_parts(self.model, state, cache, cached) if req.vision else (cache, None)
+        if log.isEnabledFor(logging.DEBUG):  # where `restore=` goes (other: a read-ahead's wait, prompt logprobs)
             now = time.perf_counter()
             log.debug(
-                "request=%s admitted in %.4fs: stores %.4fs, restore planned %.4fs, restored %.4fs,"
-                " other %.4fs (a read-ahead's wait, prompt logprobs)",
+                "request=%s admitted in %.4fs: stores %.4fs, restore planned %.4fs, restored %.4fs, other %.4fs",
                 req.request_id, now - taken, *state.admit_s, now - looked, looked - taken - sum(state.admit_s),
             )  # fmt: skip
         self._prepare(state, cached, taken)
@@ -302,8 +297,7 @@ class Runner:
                 captures=state.captures, clock=self.clock, vision=vision,
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
-            if alone:
-                state.spec = speculation_for(state, self.config, self.eos_ids)
+            state.spec = speculation_for(state, self.config, self.eos_ids) if alone else state.spec
         else:
             self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH
