@@ -69,7 +69,8 @@ class Output:
             self.emit_many(out)
 
     def finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
-        """Send the request's last event, with its usage, and log it."""
+        """Log the request and hand its numbers on, then send its last event with its usage: a
+        client that has its answer finds it in the counters, /metrics and the log already."""
         ev = state.pending
         ev.finish_reason = reason  # type: ignore[assignment]
         ev.error = error
@@ -79,8 +80,8 @@ class Output:
         ev.first_token_time = state.first_token
         ev.stop_string = state.stops.matched if state.stops is not None else None
         ev.cache = state.cache_report.to_dict() if state.cache_report is not None else None
-        self.emit(state, ev)
         self.log_finished(state, reason)
+        self.emit(state, ev)
 
     def log_finished(self, state: RequestState, reason: str) -> None:
         """The request's log line, and its numbers to `on_finished`."""
