@@ -2,7 +2,7 @@
 (`PromptLookup`) verified in one forward pass, the rejected tokens trimmed from the cache
 (engine thread; docs/design/speculation.md).
 
-Only greedy requests without logits processors, on models whose every layer is a plain
+Only greedy requests without logits processors or images, on models whose every layer is a plain
 `KVCache`, speculate; the others step aside (`step_aside` names why). The verify computes the
 same argmax the one-token step would, so the output is unchanged but for float near-ties
 between a (1 + k)-row and a 1-row forward pass.
