@@ -177,6 +177,8 @@ class RenderedPrompt:
     recalled: int  # earlier assistant turns found in the turn memory, rendered as generated
     rewritten: int  # how many of them the chat template rewrote
     vision: VisionInput | None = None  # the images' pixels and where their tokens lie
+    tools: list[dict[str, Any]] | None = None  # the tools offered (none under tool_choice "none")
+    native: bool = False  # rendered by the template itself (else described in the system prompt)
 
 
 async def render_prompt(
@@ -204,7 +206,7 @@ async def render_prompt(
     if turn.images:
         prompt, spans = expand(prompt, parts, grid, digests)
         vision = VisionInput(pixel_values, grid, spans, parts.activation_bytes(grid))
-    return RenderedPrompt(prompt, len(recalled), len(rewritten), vision)
+    return RenderedPrompt(prompt, len(recalled), len(rewritten), vision, tools, native)
 
 
 async def prepare_chat(
@@ -214,11 +216,10 @@ async def prepare_chat(
     back into the prompt as generated (`memory`), and so does this one's answer."""
     tokenizer = engine.tokenizer
     defaults = resolved.defaults
-    tools = None if turn.tool_choice == "none" else (turn.tools or None)
-    native = bool(tools) and template_supports_tools(tokenizer)
-    family = _family(engine) if native or not tools else "hermes"
     request_id = new_request_id(turn.id_prefix)
     rendered = await render_prompt(engine, resolved, turn, memory)
+    tools = rendered.tools
+    family = _family(engine) if rendered.native or not tools else "hermes"
     prompt, rewritten, recalled, vision = rendered.tokens, rendered.rewritten, rendered.recalled, rendered.vision
     if rewritten:
         log.info(
