@@ -19,6 +19,8 @@ HTTP requests. Parts (see benchmarks/gpu/README.md):
      N (default 8) concurrent streams' aggregate tok/s (issue #3's serving comparison)
   g  TTFT of the first long prompt after a start, with the idle engine's attention-graph
      warm-up (the default) and without it (--graph-warmup-tokens 0), then of a second one
+  s  N concurrent streams with half of them held to a JSON schema (`response_format`) vs all
+     free, on the same server, rounds alternating, medians (issue #41's GPU row)
 
 Usage (on the GPU machine, see README): python benchmarks/gpu/bench_gpu.py --shape llama-3.2-1b
 """
@@ -658,6 +660,10 @@ def server_batch(
     parts = [bodies[i::groups] for i in range(groups) if bodies[i::groups]]
     futures = [pool.submit(sse_client.stream_group, url, p, start_at, REQUEST_TIMEOUT) for p in parts]
     recs = [r for f in futures for r in f.result()]
+    heads = [""] * len(bodies)  # each answer's opening, in the bodies' order
+    for i, f in enumerate(futures):
+        for j, rec in enumerate(f.result()):
+            heads[i + j * len(parts)] = rec.get("head", "")
     errors = [r["error"] for r in recs if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} streams failed: {errors[:3]}")
@@ -674,7 +680,7 @@ def server_batch(
         stamps,
     )
     cpu = sum({id(f): r["group_cpu_s"] for f in futures for r in f.result()[:1]}.values())
-    return {**out, "retries": sum(r.get("retries", 0) for r in recs), "client_cpu_s": cpu}
+    return {**out, "retries": sum(r.get("retries", 0) for r in recs), "client_cpu_s": cpu, "heads": heads}
 
 
 # ----------------------------------------------------------------------------- profiling
@@ -1055,7 +1061,7 @@ def main() -> None:
         # full length: the KV cache grows in steps of 256, each new shape compiles once
         warm_tokens = args.decode_tokens if ("a" in parts or "d" in parts) else 32
         warm_text = wl.text(tokenizer, args.prompt_tokens)
-        chat_parts, other_parts = parts & {"a", "b", "d"}, parts - {"a", "b", "d"}
+        chat_parts, other_parts = parts & {"a", "b", "d", "s"}, parts - {"a", "b", "d", "s"}
         if chat_parts:
             raw_decode(model, tokenizer, chat_ids(tokenizer, warm_text), warm_tokens, eos, with_procs=False)
         if other_parts:  # (c)'s raw prefill
@@ -1074,9 +1080,13 @@ def main() -> None:
             if other_parts:  # the token-id completions of (c) and (g)
                 one(s.url, wl.body(prompt_a, warm_tokens))
             log(f"{s.label} warm (1 stream)")
-            if "b" in parts:
+            if "b" in parts or "s" in parts:
                 texts = [wl.text(tokenizer, args.prompt_tokens) for _ in range(args.streams)]
-                server_batch(pool, s.url, [wl.chat_body(t, 8) for t in texts], args.client_procs)
+                bodies = [wl.chat_body(t, 8) for t in texts]
+                if "s" in parts:  # a grammar's first compile and the held rows' masks
+                    for b in bodies[: args.streams // 2]:
+                        b["response_format"] = REPORT_FORMAT
+                server_batch(pool, s.url, bodies, args.client_procs)
         log("warm")
 
         def save() -> None:
@@ -1117,6 +1127,7 @@ def main() -> None:
                 log(results[f"{name}_error"])
             save()
 
+        run_part("s", lambda: part_s(args, wl, tokenizer, srv, pool))
         run_part("f", lambda: part_f(args, wl, tokenizer, pool, srv, peer))
         if "c" in parts:
             results["c"] = {}  # filled as it goes: a failed row keeps the rows before it
@@ -1275,6 +1286,54 @@ def part_b(
         log(f"(b) one client process of {k} threads: {single['aggregate_tps']:.0f} tok/s, its CPU "
             f"{single['client_cpu_s']:.2f}s over {single['wall_s']:.2f}s")  # fmt: skip
     return b
+
+
+# a report whose text outlasts any token budget here: a held stream's grammar is live on every token
+REPORT_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "report",
+        "schema": {
+            "type": "object",
+            "properties": {"title": {"type": "string", "maxLength": 40}, "report": {"type": "string", "minLength": 8000}},
+            "required": ["title", "report"],
+        },
+    },
+}
+
+
+def part_s(args: Any, wl: Workload, tokenizer: Any, srv: Server, pool: Any) -> dict[str, Any]:
+    """`--streams` concurrent streamed chat completions, half of them with a JSON-schema
+    `response_format`, against all of them free, on the same server, `--stream-repeats` rounds
+    in alternating order; aggregate tok/s by medians and the step split of each side."""
+    k, n = args.streams, args.stream_tokens
+    rows = []
+    for r in range(args.stream_repeats):
+        row: dict[str, Any] = {}
+        for held in (0, k // 2) if r % 2 == 0 else (k // 2, 0):
+            bodies = [wl.chat_body(wl.text(tokenizer, args.prompt_tokens), n) for _ in range(k)]
+            for b in bodies[:held]:
+                b["response_format"] = REPORT_FORMAT
+            settle(srv)
+            before = srv.step_times()
+            res = server_batch(pool, srv.url, bodies, args.client_procs)
+            res["split"] = step_split(before, srv.step_times())
+            heads = res.pop("heads")
+            res["held_heads"] = sorted({h[:12] for h in heads[:held]})
+            row["half" if held else "free"] = res
+        if row["half"]["tokens"] != k * n or row["free"]["tokens"] != k * n:
+            log(f"(s) warning: {row['half']['tokens']} / {row['free']['tokens']} tokens, not {k * n}")
+        rows.append(row)
+        build = lambda who, row=row: (row[who]["split"] or {}).get("graph_build_ms", float("nan"))  # noqa: E731
+        log(f"(s) round {r}: half held {row['half']['aggregate_tps']:.0f} tok/s, all free "
+            f"{row['free']['aggregate_tps']:.0f} -> {row['half']['aggregate_tps'] / row['free']['aggregate_tps']:.3f}x; "
+            f"graph build ms/step {build('half'):.2f} vs {build('free'):.2f}; held answers open with "
+            f"{row['half']['held_heads'][:3]}")  # fmt: skip
+    side = lambda who: [x[who]["aggregate_tps"] for x in rows]  # noqa: E731
+    return {"rounds": rows, "streams": k, "held": k // 2, "stream_tokens": n,
+            "split_half": median_split([x["half"] for x in rows]),
+            "split_free": median_split([x["free"] for x in rows]),
+            **median_ratio(side("half"), side("free"))}  # fmt: skip
 
 
 def part_f(args: Any, wl: Workload, tokenizer: Any, pool: Any, ours: Server, peer: Server) -> dict[str, Any]:
@@ -1501,6 +1560,18 @@ def print_table(r: dict[str, Any]) -> None:
               f"(goal >= 0.9); steady {b['steady_omlx_median']:.0f} vs {b['steady_raw_median']:.0f} "
               f"({b['steady_ratio']:.3f}); best {b['omlx_best']:.0f} / {b['raw_best']:.0f} = {b['best_ratio']:.3f}")  # fmt: skip
         print(f"    {split_line(b.get('split'))}; raw's graph build {b.get('raw_build_ms', float('nan')):.2f}")
+    if "s" in r:
+        x = r["s"]
+        print(f"(s) {x['streams']} streams x {x['stream_tokens']} tokens, {x['held']} held to a JSON schema vs all free, "
+              f"{len(x['rounds'])} rounds (aggregate tok/s):")  # fmt: skip
+        for i, row in enumerate(x["rounds"]):
+            h, f = row["half"], row["free"]
+            print(f"    round {i}: half held {h['aggregate_tps']:.0f} | all free {f['aggregate_tps']:.0f} | "
+                  f"{h['aggregate_tps'] / f['aggregate_tps']:.3f}x | held answers open with {h['held_heads'][:2]}")  # fmt: skip
+        print(f"    medians: half held {x['omlx_median']:.0f} | all free {x['raw_median']:.0f} | ratio {x['ratio']:.3f} "
+              f"(goal >= 0.9); best {x['omlx_best']:.0f} / {x['raw_best']:.0f} = {x['best_ratio']:.3f}")  # fmt: skip
+        print(f"    half held: {split_line(x.get('split_half'))}")
+        print(f"    all free:  {split_line(x.get('split_free'))}")
     if "c" in r:
         for n, row in r["c"].get("rows", {}).items():
             print(

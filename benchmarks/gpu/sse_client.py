@@ -42,6 +42,7 @@ def _stream_once(
     times: list[float] = []
     lp_tokens: list[str] = []  # with `logprobs` in the body: each token's text and top logprobs
     lp_tops: list[Any] = []
+    head = ""  # the answer's first characters (a structured answer's opening, say)
     usage: dict[str, Any] | None = None
     finish = None
     end = None  # arrival of the chunk with the finish reason: the last token's
@@ -72,8 +73,11 @@ def _stream_once(
             if obj.get("usage"):
                 usage = obj["usage"]
             for ch in obj.get("choices", ()):
-                if ch.get("text") or (ch.get("delta") or {}).get("content"):
+                text = ch.get("text") or (ch.get("delta") or {}).get("content")
+                if text:
                     times.append(time.perf_counter())
+                    if len(head) < 64:
+                        head += text
                 if ch.get("logprobs"):
                     lp_tokens += ch["logprobs"].get("tokens") or []
                     lp_tops += ch["logprobs"].get("top_logprobs") or []
@@ -93,6 +97,7 @@ def _stream_once(
         "prompt_tokens": usage.get("prompt_tokens"),
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         "finish_reason": finish,
+        "head": head[:64],
         "logprob_tokens": lp_tokens,
         "top_logprobs": lp_tops,
     }
