@@ -122,11 +122,12 @@ def timed(server: Server, model: str, prompt: list[int], max_tokens: int = 17, w
         server.wait_ssd_writes()
     server.wait_warmed()
     time.sleep(IDLE_BEFORE)  # an idle engine empties MLX's buffer cache: every timed request starts so
+    before = server.step_times()
     rec = one(server.url, body(model, prompt, max_tokens))
     if not rec.get("times"):
         raise RuntimeError(f"{server.label}: no token came back: {rec.get('error') or rec.get('finish_reason')}")
     return {"ttft": rec["times"][0] - rec["sent"], "cached": rec["cached_tokens"], "prompt": rec["prompt_tokens"],
-            "decode_tps": bg.stream_rate(rec)}  # fmt: skip
+            "decode_tps": bg.stream_rate(rec), "split": bg.step_split(before, server.step_times())}  # fmt: skip
 
 
 IDLE_BEFORE = 1.0
@@ -230,6 +231,8 @@ def part_cold(args: Any, models_root: Path, homes: Path, res: dict[str, Any], sa
                     med[f"{side}_{k}"] = statistics.median(x[f"{side}/{n}"][k] for x in rows)
             med["ttft_ratio"] = med["cache_ttft"] / med["nocache_ttft"]
             med["decode_ratio"] = med["cache_decode_tps"] / med["nocache_decode_tps"] if med["nocache_decode_tps"] else 0.0
+            for side in ("cache", "nocache"):  # where the decode steps after the prompt spent their time
+                med[f"{side}_split"] = bg.median_split([{"split": x[f"{side}/{n}"]["split"]} for x in rows])
             summary[str(n)] = med
         cold["models"][name]["medians"] = summary
         save()
@@ -275,6 +278,9 @@ def print_table(res: dict[str, Any]) -> None:
                 print(f"  {name:>12} {n:>7}: TTFT {s['cache_ttft']:.3f} / {s['nocache_ttft']:.3f}s = {s['ttft_ratio']:.3f}x "
                       f"(goal <= 1.1) | decode {s['cache_decode_tps']:.1f} / {s['nocache_decode_tps']:.1f} tok/s = "
                       f"{s['decode_ratio']:.3f}x (goal >= 0.9)")  # fmt: skip
+                for side in ("cache", "nocache"):
+                    if s.get(f"{side}_split"):
+                        print(f"  {'':>12} {'':>7}  {side:>7} decode {bg.split_line(s[f'{side}_split'])}")
     if "decode" in res:
         d = res["decode"]
         if "a" in d:
@@ -291,6 +297,11 @@ def print_table(res: dict[str, Any]) -> None:
                 print(f"  diagnostic, one client process of {b['streams']} threads: {one_proc['aggregate_tps']:.0f} tok/s "
                       f"({one_proc['aggregate_tps'] / b['raw_median']:.3f}x of raw's median), client CPU "
                       f"{one_proc['client_cpu_s']:.2f}s over {one_proc['wall_s']:.2f}s")  # fmt: skip
+        if "s" in d:  # --decode-args "--parts a,b,s": issue #41's GPU row
+            x = d["s"]
+            print(f"{x['streams']} streams, {x['held']} held to a JSON schema: {x['omlx_median']:.0f} vs all free "
+                  f"{x['raw_median']:.0f} tok/s = {x['ratio']:.3f}x (goal >= 0.9); held {bg.split_line(x.get('split_half'))}; "
+                  f"free {bg.split_line(x.get('split_free'))}")  # fmt: skip
 
 
 def main() -> None:
