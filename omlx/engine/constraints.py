@@ -188,8 +188,9 @@ def _fill_next_token_bitmask() -> Any:
 
 class ConstraintProcessor:
     """An mlx-lm logits processor `(tokens, logits) -> logits` for one sequence: it reads the
-    tokens generated since its last call (after launching the forward pass, so the device works
-    while the host waits and fills the mask), then masks the logits as its state says."""
+    tokens generated since its last call, then masks the logits as its state says. It launches
+    nothing itself: work launched before the read would queue the read behind it (one stream),
+    so the host would wait for this step's whole forward pass before it could fill a mask."""
 
     def __init__(self, state: ConstraintState, prompt_len: int, vocab_size: int) -> None:
         self.state = state
@@ -209,7 +210,6 @@ class ConstraintProcessor:
         new = tokens.shape[-1] - self.prompt_len - self.seen
         if new > 0:
             if self.state.needs_tokens:
-                mx.async_eval(logits)
                 for token in tokens.reshape(-1)[-new:].tolist():
                     self.state.advance(token)
             self.seen += new
