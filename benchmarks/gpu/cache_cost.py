@@ -143,6 +143,13 @@ def part_restart(args: Any, models_root: Path, homes: Path, res: dict[str, Any],
     common = ["--graph-warmup-tokens", str(max(lengths) + 64), *args.server_args.split()]
     home = homes / "restart"
     shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True, exist_ok=True)
+    from pydantic import ByteSize, TypeAdapter
+
+    wanted, free = TypeAdapter(ByteSize).validate_python(args.ssd_size), shutil.disk_usage(home).free
+    if free < wanted:  # a full disk stops the SSD writes: nothing would be restored after the restart
+        raise RuntimeError(f"{free / 1e9:.1f} GB free under {home}, the SSD tier needs {args.ssd_size}: "
+                           "free the disk (other models in WORK_DIR/models) or lower --ssd-size")  # fmt: skip
     srv = Server("omlx", models_root, args.shape, home, ["--ssd-cache-max-size", args.ssd_size, *common])
     ref = Server("omlx --no-cache", models_root, args.shape, homes / "restart-nocache", ["--no-cache", *common])
     part = res.setdefault("restart", {"lengths": lengths, "wrong_ssd_rate": args.wrong_ssd_rate, "rounds": []})
@@ -223,6 +230,7 @@ def part_cold(args: Any, models_root: Path, homes: Path, res: dict[str, Any], sa
             for s in servers.values():
                 s.stop()
                 keep_logs(s, args.out)
+                shutil.rmtree(s.home, ignore_errors=True)  # its blocks: GBs the next part's disk needs
         summary = {}
         for n in lengths:
             med: dict[str, float] = {}
@@ -248,15 +256,25 @@ def part_decode(args: Any, res: dict[str, Any]) -> None:
     res["decode"] = json.loads((out / f"results-{args.shape}.json").read_text())
 
 
+DISK_FULL = "No space left on device"
+DISKS_FULL: list[str] = []  # the servers whose SSD tier hit a full disk: their cache figures are void
+
+
 def keep_logs(server: Server, out: Path) -> None:
     with open(out / "servers.log", "a") as logs:
         for f in sorted(server.home.glob("server-*.log")):
-            logs.write(f"===== {server.label}: {f.name}\n{f.read_text(errors='replace')}\n")
+            text = f.read_text(errors="replace")
+            if DISK_FULL in text:
+                DISKS_FULL.append(server.label)
+                log(f"INVALID: {server.label}'s SSD tier ran out of disk; its writes stopped, so it restores nothing")
+            logs.write(f"===== {server.label}: {f.name}\n{text}\n")
             f.unlink()
 
 
 def print_table(res: dict[str, Any]) -> None:
     print(f"\n== prefix-cache cost, {res.get('device', '')}, oMLX {res.get('commit', '')}, {res['date']} ==")
+    if res.get("disk_full"):
+        print(f"INVALID RUN: the SSD tier of {res['disk_full']} ran out of disk (servers.log): nothing it wrote was restored")
     if "restart" in res:
         rounds = res["restart"]["rounds"]
         dropped = {x["page_cache_dropped"] for x in rounds}
@@ -360,6 +378,7 @@ def main() -> None:
                 res["decode_error"] = traceback.format_exc()
                 log(res["decode_error"])
     finally:
+        res["disk_full"] = sorted(set(DISKS_FULL))
         save()
         print_table(res)
 
