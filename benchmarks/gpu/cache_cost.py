@@ -123,11 +123,21 @@ def timed(server: Server, model: str, prompt: list[int], max_tokens: int = 17, w
     server.wait_warmed()
     time.sleep(IDLE_BEFORE)  # an idle engine empties MLX's buffer cache: every timed request starts so
     before = server.step_times()
+    writes = pending_writes(server)
     rec = one(server.url, body(model, prompt, max_tokens))
     if not rec.get("times"):
         raise RuntimeError(f"{server.label}: no token came back: {rec.get('error') or rec.get('finish_reason')}")
     return {"ttft": rec["times"][0] - rec["sent"], "cached": rec["cached_tokens"], "prompt": rec["prompt_tokens"],
-            "decode_tps": bg.stream_rate(rec), "split": bg.step_split(before, server.step_times())}  # fmt: skip
+            "decode_tps": bg.stream_rate(rec), "split": bg.step_split(before, server.step_times()),
+            "pending_writes": writes}  # fmt: skip
+
+
+def pending_writes(server: Server) -> int:
+    """Blocks stored but not yet on the SSD (waiting in the engine or in the writer's queue) as a
+    request is sent: the background work its decode may share the host with."""
+    stats = server.cache_stats()
+    ssd = stats.get("ssd") or next(iter(stats.get("stores", {}).values()), {}).get("ssd", {})
+    return int(stats.get("unwritten_blocks", 0) + (ssd or {}).get("queue_depth", 0))
 
 
 IDLE_BEFORE = 1.0
@@ -224,7 +234,8 @@ def part_cold(args: Any, models_root: Path, homes: Path, res: dict[str, Any], sa
                     rows.append(row)
                     log(f"cold {name} round {r}: " + ", ".join(
                         f"{n}: TTFT {row[f'cache/{n}']['ttft']:.3f} vs {row[f'nocache/{n}']['ttft']:.3f}s, decode "
-                        f"{row[f'cache/{n}']['decode_tps']:.1f} vs {row[f'nocache/{n}']['decode_tps']:.1f} tok/s"
+                        f"{row[f'cache/{n}']['decode_tps']:.1f} vs {row[f'nocache/{n}']['decode_tps']:.1f} tok/s "
+                        f"({row[f'cache/{n}']['pending_writes']} blocks still to write at its send)"
                         for n in lengths))  # fmt: skip
         finally:
             for s in servers.values():
