@@ -1,0 +1,118 @@
+/* Every string the chat and the theme switch show, in one place: a translation replaces
+   STRINGS (same keys); T(key, {name: value}) fills {name} placeholders. */
+"use strict";
+
+const STRINGS = {
+  "theme.auto": "Theme: auto",
+  "theme.light": "Theme: light",
+  "theme.dark": "Theme: dark",
+
+  "chat.title": "Chat",
+  "chats.new": "New chat",
+  "chats.search": "Search chats",
+  "chats.untitled": "New chat",
+  "chats.none": "No chats yet.",
+  "chats.no_match": "No chat matches.",
+  "chats.rename": "Rename",
+  "chats.delete": "Delete",
+  "chats.delete_confirm": "Delete the chat “{title}”?",
+  "chats.list": "Chats",
+  "chats.show_list": "Chats",
+  "chats.show_settings": "Settings",
+  "chats.storage_full": "The browser's storage is full: this chat was not saved. Delete old chats or large images.",
+
+  "empty.prompt": "Ask something to start.",
+  "empty.model": "Model: {model}",
+
+  "composer.placeholder": "Send a message (Enter to send, Shift+Enter for a new line)",
+  "composer.send": "Send",
+  "composer.stop": "Stop",
+  "composer.attach": "Attach",
+  "composer.save_edit": "Save and send",
+  "composer.cancel_edit": "Cancel",
+  "composer.editing": "Editing a message: the answer after it is kept as a variant.",
+
+  "turn.edit": "Edit",
+  "turn.regenerate": "Regenerate",
+  "turn.copy": "Copy as markdown",
+  "turn.copied": "Copied",
+  "turn.variant": "Variant {n}",
+  "turn.waiting": "waiting for the first token…",
+  "turn.prefill": "Prompt: {done} of {total} tokens processed",
+  "turn.stopped": "stopped",
+  "turn.thinking": "Thinking",
+  "turn.thought_for": "Thought for {secs}",
+  "turn.thinking_now": "Thinking… {secs}",
+  "turn.tool_call": "Tool {name}",
+  "turn.tool_result": "Result",
+  "turn.tool_args": "Arguments",
+
+  "stats.tokens": "{n} tokens",
+  "stats.prefill": "prefill {rate} tok/s",
+  "stats.decode": "decode {rate} tok/s",
+  "stats.ttft": "TTFT {secs}",
+  "stats.cached": "{cached} of {prompt} prompt tokens cached",
+  "stats.thinking": "thinking {secs}",
+
+  "settings.title": "Settings",
+  "settings.model": "Model",
+  "settings.no_models": "No chat models found.",
+  "settings.preset": "Prompt preset",
+  "settings.system_default": "System default",
+  "settings.system": "System prompt",
+  "settings.system_placeholder": "You are a helpful assistant.",
+  "settings.sampling": "Sampling (blank: the model's or preset's default)",
+  "settings.temperature": "Temperature",
+  "settings.top_p": "Top p",
+  "settings.top_k": "Top k",
+  "settings.min_p": "Min p",
+  "settings.repetition_penalty": "Repetition penalty",
+  "settings.presence_penalty": "Presence penalty",
+  "settings.frequency_penalty": "Frequency penalty",
+  "settings.max_tokens": "Max tokens",
+  "settings.thinking": "Thinking",
+  "settings.thinking.auto": "Auto (the model's default)",
+  "settings.thinking.off": "Off",
+  "settings.thinking.on": "On",
+  "settings.thinking.budget": "On, with a budget",
+  "settings.thinking_budget": "Thinking budget (tokens)",
+  "settings.default": "default",
+
+  "presets.save": "Save as preset",
+  "presets.update": "Update preset",
+  "presets.rename": "Rename preset",
+  "presets.delete": "Delete preset",
+  "presets.name": "Preset name",
+  "presets.name_placeholder": "e.g. translator",
+  "presets.new_title": "New prompt preset for {model}",
+  "presets.rename_title": "Rename preset {name}",
+  "presets.hint": "A preset is a profile of the model (Models → Settings): its system prompt and the sampling values set here, stored on the server.",
+  "presets.saved": "Preset {name} saved",
+  "presets.deleted": "Preset {name} deleted",
+  "presets.delete_confirm": "Delete the preset “{name}” of {model}?",
+  "presets.ok": "Save",
+  "presets.cancel": "Cancel",
+
+  "tools.title": "Tools (MCP)",
+  "tools.use": "Let the model call tools",
+  "tools.require": "Require a tool call first",
+  "tools.none": "The server offers no MCP tools (start it with --mcp-config).",
+
+  "attach.images_unsupported": "{model} cannot read images; choose a vision model.",
+  "attach.too_many_images": "At most {n} images per message.",
+  "attach.too_many_docs": "At most {n} documents per message.",
+  "attach.image_too_big": "{name} is larger than {size}.",
+  "attach.converting": "Reading {name}…",
+  "attach.failed": "{name}: {error}",
+  "attach.remove": "Remove",
+  "attach.drop": "Drop images or documents here",
+
+  "errors.choose_model": "Choose a model first",
+  "errors.copy": "Copy is not available here",
+};
+
+function T(key, vars) {
+  let s = Object.prototype.hasOwnProperty.call(STRINGS, key) ? STRINGS[key] : key;
+  for (const [k, v] of Object.entries(vars || {})) s = s.split(`{${k}}`).join(String(v));
+  return s;
+}

@@ -1,0 +1,247 @@
+"""The dashboard's chat end to end in a real headless Chromium (Playwright), against one real
+`omlx serve`: a tiny random Llama, a tiny reasoning model, a tiny VLM and the tests' MCP server.
+
+Each test drives the page and checks what it shows, what the browser sent (the request bodies)
+and what the server did (its log, its files, its status API). Screenshots at desktop and phone
+width in light and dark are kept in the pytest tmp dir (and copied to /tmp/omlx-screens/).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.admin.conftest import start_server, writable_model_dir
+from tests.admin.test_admin_browser import CHROMIUM, SCREENS_COPY, pytestmark  # noqa: F401 - the skip
+from tests.support.tiny_model import build_tiny_llama
+
+LLM, THINKER, VLM = "tiny-llama", "tiny-thinker", "tiny-vlm"
+MCP_SERVER = Path(__file__).resolve().parents[1] / "support" / "mcp_servers.py"
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("chat-ui")
+    models = writable_model_dir(tiny_model_dir, root)
+    build_tiny_llama(models / THINKER, thinking=True, seed=1)
+    try:
+        from tests.support.tiny_vlm import build_tiny_qwen2_vl
+
+        build_tiny_qwen2_vl(models / VLM)
+    except ImportError:  # without mlx-vlm: the image test skips
+        pass
+    config = root / "mcp.json"
+    config.write_text(json.dumps({"mcpServers": {"local": {"command": sys.executable, "args": [str(MCP_SERVER), "stdio"]}}}))
+    srv = start_server(root / "home", models, "--model", LLM, "--mcp-config", str(config), "--prefill-step-size", "64")
+    yield srv
+    srv.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def screens(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("chat-screens")
+    yield folder
+    SCREENS_COPY.mkdir(parents=True, exist_ok=True)
+    for png in folder.glob("*.png"):
+        shutil.copy(png, SCREENS_COPY / png.name)
+
+
+def new_page(browser, server, **context_args):
+    context = browser.new_context(viewport={"width": 1360, "height": 860}, **context_args)
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.base_url)
+    p = context.new_page()
+    p.set_default_timeout(30_000)
+    p.problems = []  # console errors, page errors, requests to other hosts
+    p.sent = []  # the chat completion bodies the page sent
+    p.on("console", lambda m: p.problems.append(m.text) if m.type == "error" else None)
+    p.on("pageerror", lambda e: p.problems.append(str(e)))
+
+    def on_request(r):
+        if not r.url.startswith((server.base_url, "data:", "blob:")):
+            p.problems.append(f"external request {r.url}")
+        if r.url.endswith("/v1/chat/completions"):
+            p.sent.append(r.post_data_json)
+
+    p.on("request", on_request)
+    return p
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    p = new_page(browser, server)
+    yield p
+    p.context.close()
+
+
+def shot(page, screens: Path, name: str) -> None:
+    page.wait_for_timeout(200)
+    page.screenshot(path=str(screens / f"chat-{name}.png"))
+
+
+def open_chat(page, server) -> None:
+    page.goto(f"{server.base_url}/admin#/chat")
+    page.wait_for_selector("#view[data-page='chat'] textarea[name=prompt]")
+    page.wait_for_selector("select[name=model] option", state="attached")
+
+
+def set_field(page, name: str, value: str) -> None:
+    page.fill(f"[name={name}]", value)
+
+
+def send(page, text: str) -> None:
+    n = page.locator(".msg.assistant .meta").count()
+    page.fill("textarea[name=prompt]", text)
+    page.click("[data-action=send]")
+    page.locator(".msg.assistant").nth(n).wait_for()
+    wait_idle(page)
+
+
+def wait_idle(page) -> None:
+    page.locator("[data-action=send]").wait_for(timeout=60_000)
+
+
+def answers(page) -> list[str]:
+    return page.locator(".msg.assistant .bubble").all_inner_texts()
+
+
+def test_chats_are_kept_in_the_browser_with_their_settings(page, server, screens):
+    open_chat(page, server)
+    page.select_option("select[name=model]", LLM)
+    set_field(page, "system", "You are terse.")
+    set_field(page, "max_tokens", "12")
+    set_field(page, "temperature", "0")
+    send(page, "first chat question")
+    meta = page.locator(".msg.assistant .meta").last.inner_text()
+    assert re.fullmatch(r"12 tokens · prefill [\d.]+ tok/s · decode [\d.]+ tok/s · TTFT [\d.]+ m?s · 0 of \d+ prompt tokens cached", meta), meta
+    body = page.sent[-1]
+    assert body["model"] == LLM and body["max_tokens"] == 12 and body["temperature"] == 0 and body["stream"] is True
+    assert body["messages"] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "first chat question"}]
+    assert "top_p" not in body  # blank: the model's default
+    # a second turn resends the first as generated: the prefix cache restores it
+    send(page, "and more")
+    second = page.locator(".msg.assistant .meta").last.inner_text()
+    cached = int(re.search(r"(\d+) of (\d+) prompt tokens cached", second).group(1))
+    assert cached > 0, second
+    assert page.sent[-1]["messages"][2] == {"role": "assistant", "content": answers(page)[0]}
+    # a second chat with other settings
+    page.click("[data-action=new-chat]")
+    page.wait_for_selector(".chat-empty")
+    set_field(page, "system", "You are the second.")
+    set_field(page, "max_tokens", "5")
+    send(page, "second chat about zebras")
+    assert page.sent[-1]["max_tokens"] == 5
+    assert page.locator(".chat-items li").count() == 2
+    # rename the first, search, delete the second
+    first = page.locator(".chat-items li", has_text="first chat question")
+    first.hover()
+    first.locator("[data-action=rename-chat]").click()
+    page.fill("input[name=chat-title]", "Renamed chat")
+    page.press("input[name=chat-title]", "Enter")
+    page.wait_for_selector(".chat-items li:has-text('Renamed chat')")
+    page.fill("input[name=chat-search]", "zebras")
+    assert page.locator(".chat-items li").all_inner_texts()[0].startswith("second chat about zebras")
+    assert page.locator(".chat-items li").count() == 1
+    page.fill("input[name=chat-search]", "")
+    shot(page, screens, "desktop-light")
+    # survive a reload: both chats, each with its own model, system prompt and settings
+    page.reload()
+    page.wait_for_selector(".chat-items li:has-text('Renamed chat')")
+    assert page.input_value("textarea[name=system]") == "You are the second."
+    assert page.input_value("input[name=max_tokens]") == "5"
+    page.locator(".chat-items li:has-text('Renamed chat') .chat-item").click()
+    page.wait_for_selector(".msg.user:has-text('first chat question')")
+    assert page.input_value("textarea[name=system]") == "You are terse."
+    assert page.input_value("input[name=max_tokens]") == "12"
+    assert page.input_value("select[name=model]") == LLM
+    assert len(answers(page)) == 2
+    zebra = page.locator(".chat-items li", has_text="zebras")
+    zebra.hover()
+    zebra.locator("[data-action=delete-chat]").click()
+    page.click("[data-confirm=yes]")
+    page.wait_for_selector(".chat-items li:has-text('zebras')", state="detached")
+    stored = page.evaluate("JSON.parse(localStorage.getItem(ChatStore.KEY))")
+    assert [c["title"] for c in stored["chats"]] == ["Renamed chat"]
+
+
+def test_turns_regenerate_edit_stop_and_copy(page, server):
+    open_chat(page, server)
+    page.locator(".chat-items li:has-text('Renamed chat') .chat-item").click()
+    page.wait_for_selector(".msg.user:has-text('and more')")
+    set_field(page, "temperature", "1.5")  # sampled: a regenerated answer differs
+    before = answers(page)
+    sent = len(page.sent)
+    page.locator(".turn").nth(1).locator("[data-action=regenerate]").click()
+    wait_idle(page)
+    first_time = next(b for b in page.sent if b["messages"][-1]["content"] == "and more")
+    assert page.sent[sent]["messages"] == first_time["messages"]  # the same conversation again
+    tabs = page.locator(".turn").nth(1).locator(".variant-tabs [role=tab]")
+    assert tabs.count() == 2 and tabs.nth(1).get_attribute("aria-selected") == "true"
+    regenerated = answers(page)[1]
+    tabs.nth(0).click()
+    assert answers(page)[1] == before[1]
+    tabs.nth(1).click()
+    assert answers(page)[1] == regenerated
+    # edit the first user message: a new variant of turn 0; the old branch (both turns) is kept
+    page.locator(".turn").nth(0).locator("[data-action=edit]").click()
+    assert page.input_value("textarea[name=prompt]") == "first chat question"
+    page.fill("textarea[name=prompt]", "edited question")
+    page.click("[data-action=send]")
+    wait_idle(page)
+    assert page.sent[-1]["messages"][-1] == {"role": "user", "content": "edited question"}
+    assert len(page.sent[-1]["messages"]) == 2  # system + the edited message: nothing after it
+    assert page.locator(".turn").count() == 1
+    tabs0 = page.locator(".turn").nth(0).locator(".variant-tabs [role=tab]")
+    assert tabs0.count() == 2
+    tabs0.nth(0).click()
+    assert page.locator(".turn").count() == 2 and page.locator(".msg.user .bubble").first.inner_text() == "first chat question"
+    tabs0.nth(1).click()
+    assert page.locator(".msg.user .bubble").first.inner_text() == "edited question"
+    # copy an answer as markdown
+    page.locator(".turn").nth(0).locator("[data-action=copy-answer]").click()
+    page.wait_for_selector("[data-action=copy-answer]:has-text('Copied')")
+    assert page.evaluate("navigator.clipboard.readText()") == answers(page)[0]
+    # stop a long answer: the page says so and the server cancels the request
+    set_field(page, "max_tokens", "1900")
+    set_field(page, "system", "You are terse and precise. " * 50)
+    page.fill("textarea[name=prompt]", "Go on for a long time.")
+    page.click("[data-action=send]")
+    page.click("[data-action=stop]", timeout=5000)
+    page.locator(".msg.assistant .meta:has-text('stopped')").wait_for()
+    for _ in range(100):
+        if "finish=cancelled" in server.log():
+            break
+        page.wait_for_timeout(100)
+    assert "finish=cancelled" in server.log()
+    # a stored answer with a fenced code block: rendered with a copy button that copies the code
+    page.evaluate("""() => {
+      const data = JSON.parse(localStorage.getItem(ChatStore.KEY));
+      const chat = ChatStore.blank('tiny-llama');
+      chat.title = 'code sample';
+      const v = ChatStore.addTurn(chat, {text: 'show code', images: [], docs: []});
+      Object.assign(v.answer, {content: 'Here:\\n\\n```python\\nprint(1)\\n```', streaming: false});
+      data.chats.unshift(chat); data.current = chat.id;
+      localStorage.setItem(ChatStore.KEY, JSON.stringify(data));
+    }""")
+    page.reload()
+    page.wait_for_selector(".codeblock")
+    page.click(".codeblock [data-copy]")
+    page.wait_for_selector(".codeblock [data-copy]:has-text('Copied')")
+    assert page.evaluate("navigator.clipboard.readText()") == "print(1)"
+    assert page.locator(".codeblock .hljs-built_in, .codeblock .hljs-keyword").count() >= 1
