@@ -12,8 +12,11 @@ import json
 import re
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.admin.conftest import start_server, writable_model_dir
@@ -216,7 +219,9 @@ def test_turns_regenerate_edit_stop_and_copy(page, server):
     # copy an answer as markdown
     page.locator(".turn").nth(0).locator("[data-action=copy-answer]").click()
     page.wait_for_selector("[data-action=copy-answer]:has-text('Copied')")
-    assert page.evaluate("navigator.clipboard.readText()") == answers(page)[0]
+    raw = page.evaluate("""() => { const d = JSON.parse(localStorage.getItem(ChatStore.KEY));
+      return ChatStore.path(d.chats.find((c) => c.id === d.current))[0].variant.answer.content; }""")
+    assert page.evaluate("navigator.clipboard.readText()") == raw  # the markdown, not the rendered text
     # stop a long answer: the page says so and the server cancels the request
     set_field(page, "max_tokens", "1900")
     set_field(page, "system", "You are terse and precise. " * 50)
@@ -245,3 +250,64 @@ def test_turns_regenerate_edit_stop_and_copy(page, server):
     page.wait_for_selector(".codeblock [data-copy]:has-text('Copied')")
     assert page.evaluate("navigator.clipboard.readText()") == "print(1)"
     assert page.locator(".codeblock .hljs-built_in, .codeblock .hljs-keyword").count() >= 1
+
+
+def test_thinking_modes_figures_and_prefill_progress(page, server, screens):
+    open_chat(page, server)
+    page.click("[data-action=new-chat]")
+    page.select_option("select[name=model]", THINKER)
+    set_field(page, "system", "")
+    set_field(page, "max_tokens", "24")
+    page.select_option("select[name=thinking]", "budget")
+    set_field(page, "thinking_budget", "8")
+    send(page, "think about it")
+    body = page.sent[-1]
+    assert body["model"] == THINKER and body["thinking_budget"] == 8
+    assert body["chat_template_kwargs"] == {"enable_thinking": True}
+    answer = page.locator(".msg.assistant").last
+    block = answer.locator("details.thinking")
+    assert re.fullmatch(r"Thought for [\d.]+ m?s", block.locator("summary").inner_text()), block.inner_text()
+    assert block.get_attribute("open") is None  # collapsed once the answer came
+    block.locator("summary").click()
+    assert block.locator(".thinking-text").inner_text().strip()
+    meta = answer.locator(".meta").inner_text()
+    assert re.search(r"^\d+ tokens · prefill [\d.]+ tok/s · decode [\d.]+ tok/s · TTFT .* · thinking [\d.]+ m?s$", meta), meta
+    shot(page, screens, "thinking")
+    # off: no thinking at all (the end marker forced at once)
+    page.select_option("select[name=thinking]", "off")
+    send(page, "do not think")
+    assert page.sent[-1]["thinking_budget"] == 0 and page.sent[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert page.locator(".msg.assistant").last.locator("details.thinking").count() == 0
+    page.select_option("select[name=thinking]", "auto")
+    send(page, "as you like")
+    assert "thinking_budget" not in page.sent[-1] and "chat_template_kwargs" not in page.sent[-1]
+    # a long prompt: its prefill position, polled from the status API, shows while it is computed
+    page.select_option("select[name=model]", LLM)
+    page.click("[data-action=new-chat]")
+    set_field(page, "max_tokens", "2")
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            for m in httpx.get(server.base_url + "/v1/models/status", timeout=10).json()["data"]:
+                seen.extend(m["requests"])
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        page.fill("textarea[name=prompt]", "ab " * 600)
+        page.click("[data-action=send]")
+        progress = page.locator(".msg.assistant .meta:has-text('tokens processed')")
+        progress.wait_for(timeout=20_000)
+        shown = progress.inner_text()
+        wait_idle(page)
+    finally:
+        done.set()
+        watcher.join()
+    done_, total = (int(x.replace(",", "")) for x in re.fullmatch(r"Prompt: ([\d,]+) of ([\d,]+) tokens processed", shown).groups())
+    assert 0 <= done_ < total
+    mid = [r for r in seen if r["state"] == "prefilling" and 0 < r["prefilled_tokens"] < r["prompt_tokens"]]
+    assert mid, seen[-5:]
+    assert all(r["id"].startswith("chatcmpl-") and r["cached_tokens"] <= r["prefilled_tokens"] for r in mid)
