@@ -311,3 +311,57 @@ def test_thinking_modes_figures_and_prefill_progress(page, server, screens):
     mid = [r for r in seen if r["state"] == "prefilling" and 0 < r["prefilled_tokens"] < r["prompt_tokens"]]
     assert mid, seen[-5:]
     assert all(r["id"].startswith("chatcmpl-") and r["cached_tokens"] <= r["prefilled_tokens"] for r in mid)
+
+
+def test_prompt_presets_are_profiles_stored_on_the_server(page, browser, server):
+    open_chat(page, server)
+    page.click("[data-action=new-chat]")
+    page.select_option("select[name=model]", LLM)
+    set_field(page, "system", "You translate to French.")
+    set_field(page, "temperature", "0.3")
+    set_field(page, "max_tokens", "4")
+    page.click("[data-action=save-preset]")
+    page.fill("input[name=preset-name]", "french")
+    page.click("[data-action=preset-ok]")
+    page.wait_for_selector(".toast:has-text('Preset french saved')")
+    settings_file = server.home / "model_settings.json"
+    profile = json.loads(settings_file.read_text())[LLM]["profiles"]["french"]
+    assert profile == {"system_prompt": "You translate to French.", "temperature": 0.3, "max_tokens": 4}
+    assert page.input_value("select[name=preset]") == "french"
+    send(page, "bonjour")
+    assert page.sent[-1]["model"] == f"{LLM}:french"
+    assert page.sent[-1]["messages"][0] == {"role": "system", "content": "You translate to French."}
+    # rename in place; "System default" is the model's own settings (no system prompt here)
+    page.click("[data-action=rename-preset]")
+    page.fill("input[name=preset-name]", "fr")
+    page.click("[data-action=preset-ok]")
+    page.wait_for_selector("select[name=preset] option[value=fr]", state="attached")
+    assert list(json.loads(settings_file.read_text())[LLM]["profiles"]) == ["fr"]
+    page.select_option("select[name=preset]", "")
+    assert page.input_value("textarea[name=system]") == ""
+    page.select_option("select[name=preset]", "fr")
+    assert page.input_value("textarea[name=system]") == "You translate to French."
+    # the server applies a profile's system prompt to any request that sends none
+    def prompt_tokens(body: dict) -> int:
+        r = httpx.post(server.base_url + "/api/cache/explain", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_tokens"]
+
+    user = {"role": "user", "content": "bonjour"}
+    with_profile = prompt_tokens({"model": f"{LLM}:fr", "messages": [user]})
+    assert with_profile == prompt_tokens({"model": LLM, "messages": [{"role": "system", "content": "You translate to French."}, user]})
+    assert with_profile > prompt_tokens({"model": LLM, "messages": [user]})
+    # another browser sees it
+    other = new_page(browser, server)
+    try:
+        open_chat(other, server)
+        other.select_option("select[name=model]", LLM)
+        other.wait_for_selector("select[name=preset] option[value=fr]", state="attached")
+        assert other.locator(".chat-items li").count() == 1  # chats stay in their own browser
+    finally:
+        other.context.close()
+    page.click("[data-action=delete-preset]")
+    page.click("[data-confirm=yes]")
+    page.wait_for_selector(".toast:has-text('Preset fr deleted')")
+    assert json.loads(settings_file.read_text())[LLM].get("profiles", {}) == {}
+    assert page.input_value("select[name=preset]") == ""
