@@ -365,3 +365,45 @@ def test_prompt_presets_are_profiles_stored_on_the_server(page, browser, server)
     page.wait_for_selector(".toast:has-text('Preset fr deleted')")
     assert json.loads(settings_file.read_text())[LLM].get("profiles", {}) == {}
     assert page.input_value("select[name=preset]") == ""
+
+
+def test_theme_follows_the_system_or_the_choice_and_the_chat_fits_a_phone(browser, server, screens):
+    p = new_page(browser, server, color_scheme="dark")
+    try:
+        open_chat(p, server)
+        theme = lambda: p.evaluate("[document.documentElement.dataset.theme, document.getElementById('theme').textContent]")  # noqa: E731
+        assert theme() == ["dark", "Theme: auto"]  # auto follows the system's dark scheme
+        send(p, "hello in the dark")
+        shot(p, screens, "desktop-dark")
+        bg = p.evaluate("getComputedStyle(document.querySelector('.chat-main')).backgroundColor")
+        p.click("[data-action=theme]")
+        assert theme() == ["light", "Theme: light"]
+        assert p.evaluate("getComputedStyle(document.querySelector('.chat-main')).backgroundColor") != bg
+        p.click("[data-action=theme]")
+        assert theme() == ["dark", "Theme: dark"]
+        p.emulate_media(color_scheme="light")
+        p.reload()
+        p.wait_for_selector("textarea[name=prompt]")
+        assert theme() == ["dark", "Theme: dark"]  # the choice is kept, whatever the system says
+        # phone width: the conversation alone; the chat list and the settings open over it
+        p.set_viewport_size({"width": 390, "height": 844})
+        p.wait_for_timeout(200)
+        assert not p.is_visible(".chat-list") and not p.is_visible(".chat-settings")
+        assert p.evaluate("document.documentElement.scrollWidth") <= 390  # nothing wider than the screen
+        shot(p, screens, "phone-dark")
+        p.click("[data-action=show-list]")
+        assert p.is_visible(".chat-list") and p.is_visible(".chat-items li:has-text('hello in the dark')")
+        shot(p, screens, "phone-dark-list")
+        p.click("[data-action=show-list]")
+        p.click("[data-action=show-settings]")
+        assert p.is_visible("select[name=model]")
+        p.click("[data-action=show-settings]")
+        p.click("[data-action=theme]")  # auto again, the system now light
+        assert theme() == ["light", "Theme: auto"]
+        send(p, "hello on a phone")
+        box = p.locator(".msg.assistant").last.bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390
+        shot(p, screens, "phone-light")
+        assert [x for x in p.problems] == []
+    finally:
+        p.context.close()
