@@ -407,3 +407,95 @@ def test_theme_follows_the_system_or_the_choice_and_the_chat_fits_a_phone(browse
         assert [x for x in p.problems] == []
     finally:
         p.context.close()
+
+
+def files(page, *items: tuple[str, str, bytes]) -> None:
+    page.set_input_files("input[name=attach]", [{"name": n, "mimeType": t, "buffer": b} for n, t, b in items])
+
+
+def test_images_and_documents_attached(page, server, screens):
+    from tests.support.tiny_vlm import draw_png
+
+    if not (server.home.parent / "models" / VLM).exists():
+        pytest.skip("needs mlx-vlm (the vision extra) for the tiny VLM")
+    pytest.importorskip("markitdown", reason="the documents extra (the test extra installs it)")
+    from tests.admin.test_chat_api import tiny_pdf
+
+    open_chat(page, server)
+    page.click("[data-action=new-chat]")
+    page.select_option("select[name=model]", LLM)
+    png = draw_png("circle")
+    files(page, ("circle.png", "image/png", png))  # a text model: refused in the page
+    page.wait_for_selector(".toast:has-text('cannot read images')")
+    assert page.locator(".composer .thumb").count() == 0
+    page.select_option("select[name=model]", VLM)
+    set_field(page, "max_tokens", "6")
+    set_field(page, "system", "")
+    files(page, ("circle.png", "image/png", png), ("square.png", "image/png", draw_png("square")))
+    page.wait_for_selector(".composer .thumb >> nth=1")
+    # a document by the picker, another dropped on the composer; an unreadable one is refused
+    files(page, ("report.pdf", "application/pdf", tiny_pdf("Quarterly numbers rose")))
+    page.wait_for_selector(".composer .doc-chip:has-text('report.pdf')")
+    dropped = page.evaluate_handle("""() => { const dt = new DataTransfer();
+      dt.items.add(new File(['# Dropped notes'], 'notes.md', {type: 'text/markdown'})); return dt; }""")
+    page.dispatch_event(".composer", "drop", {"dataTransfer": dropped})
+    page.wait_for_selector(".composer .doc-chip:has-text('notes.md')")
+    files(page, ("broken.pdf", "application/pdf", b"%PDF-1.4 not really"))
+    page.wait_for_selector(".toast:has-text('broken.pdf: Could not read broken.pdf as PDF')")
+    shot(page, screens, "attachments")
+    send(page, "what is drawn?")
+    content = page.sent[-1]["messages"][-1]["content"]
+    assert [p["type"] for p in content] == ["text", "image_url", "image_url"]
+    assert content[0]["text"].startswith('<document name="report.pdf">\nQuarterly numbers rose')
+    assert '<document name="notes.md">\n# Dropped notes\n</document>' in content[0]["text"]
+    assert content[0]["text"].endswith("what is drawn?")
+    assert content[1]["image_url"]["url"].startswith("data:image/png;base64,")
+    answer = page.locator(".msg.assistant").last
+    assert answer.locator(".bubble.error").count() == 0 and "6 tokens" in answer.locator(".meta").inner_text()
+    assert page.locator(".msg.user .thumb").count() == 2 and page.locator(".msg.user .doc-chip").count() == 2
+    # edit it: the images and documents come along, one image removed
+    page.locator(".turn").last.locator("[data-action=edit]").click()
+    assert page.locator(".composer .thumb").count() == 2
+    page.locator(".composer .thumb-x").first.click()
+    page.fill("textarea[name=prompt]", "and now?")
+    page.click("[data-action=send]")
+    wait_idle(page)
+    edited = page.sent[-1]["messages"][-1]["content"]
+    assert [p["type"] for p in edited] == ["text", "image_url"] and edited[0]["text"].endswith("and now?")
+    assert edited[1]["image_url"]["url"] == content[2]["image_url"]["url"]  # the square kept
+    # at most 10 images a message
+    files(page, *[(f"c{i}.png", "image/png", png) for i in range(11)])
+    page.wait_for_selector(".toast:has-text('At most 10 images')")
+    assert page.locator(".composer .thumb").count() == 10
+
+
+def test_mcp_tools_called_through_the_server_loop(page, server, screens):
+    open_chat(page, server)
+    page.click("[data-action=new-chat]")
+    page.select_option("select[name=model]", LLM)
+    set_field(page, "max_tokens", "128")  # a forced call in the tiny model's small tokens
+    page.wait_for_selector("input[name=tool-pick]", state="attached")
+    listed = page.locator(".tool-list li").all_inner_texts()
+    assert any(t.startswith("pick") and "Pick a color" in t for t in listed)
+    page.check("input[name=tools]")
+    for name in ("echo", "slow", "fail", "crash"):
+        page.uncheck(f"input[name=tool-{name}]")
+    page.check("input[name=tools_require]")
+    send(page, "pick a color")
+    body = page.sent[-1]
+    assert body["mcp"] == {"tools": ["pick"]} and body["tool_choice"] == "required"
+    call = page.locator(".msg.assistant").last.locator("details.tool-call[data-tool=pick]")
+    call.locator("summary").click()
+    assert json.loads(call.locator(".tool-part pre").first.inner_text())["color"] in ("red", "green")
+    result = call.locator(".tool-result").inner_text()
+    assert re.fullmatch(r"picked (red|green) at \d+", result), result
+    assert page.locator(".msg.assistant").last.locator(".bubble.error").count() == 0
+    shot(page, screens, "tools")
+    # the next turn sends the round the server ran before the answer
+    page.uncheck("input[name=tools]")
+    set_field(page, "max_tokens", "4")
+    send(page, "thanks")
+    msgs = page.sent[-1]["messages"]
+    kinds = [(m["role"], bool(m.get("tool_calls"))) for m in msgs]
+    assert kinds[:3] == [("user", False), ("assistant", True), ("tool", False)], kinds
+    assert msgs[2]["content"] == result and "mcp" not in page.sent[-1]

@@ -232,9 +232,7 @@ const ChatSide = (function () {
     </div>`;
   }
 
-  function Tools({ chat, onChange }) {
-    const [tools, setTools] = useState(null);
-    useEffect(() => { api("GET", "/v1/mcp/tools").then((r) => setTools(r.data)).catch(() => setTools([])); }, []);
+  function Tools({ chat, tools, onChange }) {
     if (!tools) return null;
     if (!tools.length) return html`<div class="muted small">${T("tools.none")}</div>`;
     const set = (key, value) => { chat.tools[key] = value; onChange(); };
@@ -242,18 +240,21 @@ const ChatSide = (function () {
       <label class="check"><input type="checkbox" name="tools" checked=${chat.tools.on} onChange=${(e) => set("on", e.currentTarget.checked)} />${T("tools.use")}</label>
       <label class="check"><input type="checkbox" name="tools_require" checked=${chat.tools.require} disabled=${!chat.tools.on}
         onChange=${(e) => set("require", e.currentTarget.checked)} />${T("tools.require")}</label>
-      <ul class="tool-list">${tools.map((t) => html`<li key=${t.name}><span class="mono">${t.name}</span> <span class="muted small">${t.description || ""}</span></li>`)}</ul>
+      <ul class="tool-list">${tools.map((t) => html`<li key=${t.name}><label class="check">
+        <input type="checkbox" name=${`tool-${t.name}`} disabled=${!chat.tools.on} checked=${!(chat.tools.off || []).includes(t.name)}
+          onChange=${(e) => set("off", e.currentTarget.checked ? (chat.tools.off || []).filter((n) => n !== t.name) : [...(chat.tools.off || []), t.name])} />
+        <span class="mono">${t.name}</span></label> <span class="muted small">${t.description || ""}</span></li>`)}</ul>
     </div>`;
   }
 
-  function Settings({ chat, models, busy, onChange }) {
+  function Settings({ chat, models, tools, busy, onChange }) {
     const setThinking = (key, value) => { chat.thinking[key] = value; onChange(); };
     return html`<aside class="panel chat-settings">
       <div class="panel-head"><h2>${T("settings.title")}</h2></div>
       <div class="panel-body stack">
         <label class="field"><span>${T("settings.model")}</span>
           <select name="model" disabled=${busy} value=${chat.model} onChange=${(e) => { chat.model = e.currentTarget.value; chat.preset = ""; onChange(); }}>
-            ${(models || []).map((m) => html`<option value=${m.id} key=${m.id}>${m.id}${m.state === "unloaded" ? "" : " (loaded)"}${m.vision ? " 🖼" : ""}</option>`)}
+            ${(models || []).map((m) => html`<option value=${m.id} key=${m.id}>${m.id}${m.vision ? T("settings.vision") : ""}${m.state === "unloaded" ? "" : T("settings.loaded")}</option>`)}
           </select>
           ${models && !models.length && html`<span class="hint">${T("settings.no_models")}</span>`}
         </label>
@@ -282,7 +283,7 @@ const ChatSide = (function () {
           <${NumberField} chat=${chat} name="max_tokens" step="1" onChange=${onChange} />
         </div>
         <div class="section-title">${T("tools.title")}</div>
-        <${Tools} chat=${chat} onChange=${onChange} />
+        <${Tools} chat=${chat} tools=${tools} onChange=${onChange} />
       </div>
     </aside>`;
   }

@@ -107,7 +107,7 @@ const ChatStore = (function () {
       if (a.error) return;
       out.push(userMessage(variant.user));
       out.push(...(a.mcp || []));
-      out.push({ role: "assistant", content: a.content });
+      out.push({ role: "assistant", content: a.content.slice(a.final_from || 0) });  // the rounds' text is in `mcp`
     });
     out.push(userMessage(shown[index].variant.user));
     return out;

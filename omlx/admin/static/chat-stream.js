@@ -6,8 +6,9 @@
 const ChatStream = (function () {
   const THINKING_MODES = ["auto", "off", "on", "budget"];
 
-  /* The request body for `messages` under the chat's model, preset, settings, thinking and tools. */
-  function body(chat, messages) {
+  /* The request body for `messages` under the chat's model, preset, settings, thinking and
+     tools (`tools`: the server's MCP tools, of which the chat may have turned some off). */
+  function body(chat, messages, tools) {
     const out = {
       model: chat.preset ? `${chat.model}:${chat.preset}` : chat.model,
       messages, stream: true, stream_options: { include_usage: true },
@@ -25,7 +26,8 @@ const ChatStream = (function () {
       if (mode === "budget") out.thinking_budget = Math.max(0, Math.floor(Number(chat.thinking.budget) || 0));
     }
     if (chat.tools.on) {
-      out.mcp = true;
+      const off = chat.tools.off || [];
+      out.mcp = off.length ? { tools: (tools || []).map((t) => t.name).filter((n) => !off.includes(n)) } : true;
       if (chat.tools.require) out.tool_choice = "required";
     }
     return out;

@@ -20,7 +20,7 @@ const ChatView = (function () {
         ${onRemove && html`<button type="button" class="thumb-x" aria-label=${T("attach.remove")}
           onClick=${() => onRemove("images", i)}>✕</button>`}
       </figure>`)}
-      ${docs.map((d, i) => html`<span class="doc-chip" key=${"d" + i} title=${`${d.text.length} chars`}>📄 ${d.name}
+      ${docs.map((d, i) => html`<span class="doc-chip" key=${"d" + i} title=${T("attach.chars", { n: fmt.int(d.text.length) })}>${d.name}
         ${onRemove && html`<button type="button" class="chip-x" aria-label=${T("attach.remove")}
           onClick=${() => onRemove("docs", i)}>✕</button>`}
       </span>`)}

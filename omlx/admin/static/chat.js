@@ -14,6 +14,7 @@
     const store = data.current;
     const [, redraw] = useReducer((x) => x + 1, 0);
     const [models, setModels] = useState(null);
+    const [tools, setTools] = useState(null);  // the server's MCP tools
     const [busy, setBusy] = useState(false);
     const [editing, setEditing] = useState(null);  // {index} of the turn whose user message is edited
     const [pane, setPane] = useState("");  // phone width: "list" or "settings" shown over the chat
@@ -23,6 +24,7 @@
 
     useEffect(() => {
       App.models().then((all) => setModels(all.filter((m) => m.type === "llm"))).catch((err) => toast(err.message, "err"));
+      api("GET", "/v1/mcp/tools").then((r) => setTools(r.data)).catch(() => setTools([]));
       ctx.onLeave(() => { if (controller.current) controller.current.abort(); });
     }, []);
 
@@ -81,7 +83,7 @@
 
     async function generate(index, variant) {
       const answer = variant.answer;
-      const payload = ChatStream.body(chat, ChatStore.messages(chat, index));
+      const payload = ChatStream.body(chat, ChatStore.messages(chat, index), tools);
       const ctl = new AbortController();
       controller.current = ctl;
       setBusy(true);
@@ -184,7 +186,7 @@
           model=${model} onSend=${send} onStop=${() => controller.current && controller.current.abort()}
           onCancelEdit=${() => setEditing(null)} />
       </section>
-      <${ChatSide.Settings} chat=${chat} models=${models} busy=${busy} onChange=${actions.change} />
+      <${ChatSide.Settings} chat=${chat} models=${models} tools=${tools} busy=${busy} onChange=${actions.change} />
     </div>`;
   }
 

@@ -57,6 +57,8 @@ const STRINGS = {
   "settings.title": "Settings",
   "settings.model": "Model",
   "settings.no_models": "No chat models found.",
+  "settings.vision": " · images",
+  "settings.loaded": " (loaded)",
   "settings.preset": "Prompt preset",
   "settings.system_default": "System default",
   "settings.system": "System prompt",
@@ -105,6 +107,7 @@ const STRINGS = {
   "attach.converting": "Reading {name}…",
   "attach.failed": "{name}: {error}",
   "attach.remove": "Remove",
+  "attach.chars": "{n} characters of text",
   "attach.drop": "Drop images or documents here",
 
   "errors.choose_model": "Choose a model first",
