@@ -8,6 +8,7 @@ width in light and dark are kept in the pytest tmp dir (and copied to /tmp/omlx-
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -443,6 +444,13 @@ def test_images_and_documents_attached(page, server, screens):
     files(page, ("broken.pdf", "application/pdf", b"%PDF-1.4 not really"))
     page.wait_for_selector(".toast:has-text('broken.pdf: Could not read broken.pdf as PDF')")
     shot(page, screens, "attachments")
+    pasted = page.evaluate_handle("""b64 => { const dt = new DataTransfer();
+      const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+      dt.items.add(new File([bytes], 'pasted.png', {type: 'image/png'})); return dt; }""", base64.b64encode(png).decode())
+    page.evaluate("dt => document.querySelector('textarea[name=prompt]').dispatchEvent(new ClipboardEvent('paste', {clipboardData: dt, bubbles: true, cancelable: true}))", pasted)
+    page.wait_for_selector(".composer .thumb >> nth=2")
+    page.locator(".composer .thumb-x").nth(2).click()  # and removed again
+    page.wait_for_selector(".composer .thumb >> nth=2", state="detached")
     send(page, "what is drawn?")
     content = page.sent[-1]["messages"][-1]["content"]
     assert [p["type"] for p in content] == ["text", "image_url", "image_url"]
@@ -499,3 +507,9 @@ def test_mcp_tools_called_through_the_server_loop(page, server, screens):
     kinds = [(m["role"], bool(m.get("tool_calls"))) for m in msgs]
     assert kinds[:3] == [("user", False), ("assistant", True), ("tool", False)], kinds
     assert msgs[2]["content"] == result and "mcp" not in page.sent[-1]
+
+
+def test_no_console_errors_and_nothing_fetched_from_outside(page):
+    # expected: the browser logs the 400 of the unreadable PDF the attachment test sent
+    problems = [p for p in page.problems if "status of 400" not in p]
+    assert problems == []

@@ -20,7 +20,8 @@
     const [pane, setPane] = useState("");  // phone width: "list" or "settings" shown over the chat
     const controller = useRef(null);
     const messagesEl = useRef(null);
-    const stick = useRef(true);
+    const stick = useRef(true);  // follow the answer unless the user scrolled up
+    const autoTop = useRef(0);  // where the last scroll to the bottom left it
 
     useEffect(() => {
       App.models().then((all) => setModels(all.filter((m) => m.type === "llm"))).catch((err) => toast(err.message, "err"));
@@ -42,7 +43,7 @@
 
     useEffect(() => {
       const el = messagesEl.current;
-      if (el && stick.current) el.scrollTop = el.scrollHeight;
+      if (el && stick.current) { el.scrollTop = el.scrollHeight; autoTop.current = el.scrollTop; }
     });
 
     function persist(touch = true) {
@@ -173,7 +174,11 @@
           <button type="button" class="btn btn-small" data-action="show-settings" onClick=${() => setPane(pane === "settings" ? "" : "settings")}>${T("chats.show_settings")}</button>
         </div>
         <div class="messages" aria-live="polite" ref=${messagesEl}
-          onScroll=${(e) => { const el = e.currentTarget; stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 40; }}>
+          onScroll=${(e) => {  // our own scrolls land at autoTop; only moving up from there unsticks
+            const el = e.currentTarget;
+            if (el.scrollTop < autoTop.current - 4) stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 40;
+            else stick.current = true;
+          }}>
           ${shown.length ? shown.map(({ turn, variant }, i) => html`<${ChatView.Turn} key=${i} turn=${turn} variant=${variant}
               index=${i} now=${now} busy=${busy}
               onEdit=${() => setEditing({ index: i, user: variant.user })}
