@@ -17,7 +17,7 @@ STATIC = Path(__file__).parent / "static"
 
 
 def install_admin(app: FastAPI) -> None:
-    from omlx.admin import bench, downloads, routes
+    from omlx.admin import bench, documents, downloads, routes
     from omlx.admin.history import FILE_NAME, History
     from omlx.admin.log_buffer import install_log_buffer
     from omlx.admin.security import ApiKeyStore, LoginThrottle, SessionSigner, secret_from_env
@@ -40,6 +40,7 @@ def install_admin(app: FastAPI) -> None:
     app.include_router(routes.router)
     app.include_router(downloads.router)
     app.include_router(bench.router)
+    app.include_router(documents.router)
     app.mount("/admin/static", StaticFiles(directory=STATIC), name="admin-static")
 
     index = STATIC / "index.html"

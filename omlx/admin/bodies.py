@@ -94,3 +94,10 @@ class KeyBody(PassThrough):
 
     model_config = required("name")
     name: SkipValidation[str] = Field(None, min_length=1, max_length=64, description="1 to 64 characters, unique")
+
+
+class RenameBody(PassThrough):
+    """A profile's new name."""
+
+    model_config = required("to")
+    to: SkipValidation[str] = Field(None, description="The new name: non-empty, no ':' or '/'")

@@ -185,6 +185,11 @@ class LLMEngine:
         self.bridge.put("call", fn, loop, future)
         return await future
 
+    def requests_view(self) -> list[dict[str, Any]]:
+        """Each request submitted and not finished: its state and prefill position (event loop)."""
+        now = PERF()
+        return [state.view(now) for state in list(self._live.values())]
+
     def stats(self) -> dict[str, Any]:
         return {"active": self.active_count, "waiting": self.waiting_count}
 

@@ -56,6 +56,7 @@ class RequestState:
     stops: Any = None  # StopStringMatcher
     prompt_len: int = 0
     cached_tokens: int = 0
+    batch_prefilled: int = 0  # prompt tokens in its BatchGenerator cache so far (its prompt responses' progress)
     cache_report: Any = None  # `why.CacheReport`: what its restore took from which tier, and why not more
     start: float = 0.0  # the engine took it (before its cached prefix was restored): TTFT counts from here
     prefill_start: float = 0.0  # after the restore: a prefill's time counts from here
@@ -80,6 +81,30 @@ class RequestState:
     def id(self) -> str:
         """The request's own id (cancels name it)."""
         return self.request.request_id
+
+    def view(self, now: float) -> dict[str, Any]:
+        """Where it stands, for the status API (read from the event loop while the engine
+        thread moves it on: each figure is a single read, so a view may lag one step)."""
+        return {
+            "id": self.id,
+            "state": self.status.value,
+            "prompt_tokens": len(self.request.prompt_tokens),
+            "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": self.prefill_position(),
+            "completion_tokens": self.completion_tokens,
+            "seconds": round(now - self.start, 3) if self.start else 0.0,
+        }
+
+    def prefill_position(self) -> int:
+        """Prompt tokens in its cache so far: restored or computed (all of them once it decodes)."""
+        total = len(self.request.prompt_tokens)
+        if self.status in (Status.WAITING, Status.RESTORING):
+            return 0
+        if self.first_token is not None or self.status in (Status.DECODING, Status.PAUSED, Status.FINISHED):
+            return total
+        solo = self.solo
+        fed = len(solo.fed) if solo is not None else self.cached_tokens + self.batch_prefilled
+        return min(total, max(fed, self.cached_tokens))
 
     def release(self) -> None:
         """Drop what only its computation needs (its solo cache, layer-state snapshots, sampler

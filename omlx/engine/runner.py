@@ -150,6 +150,8 @@ class Runner:
         ended = []
         for pr in prompt_responses:
             state = self._live(pr.uid)
+            if state is not None and isinstance(pr.progress, tuple):
+                state.batch_prefilled = pr.progress[0]
             if pr.end_of_prompt and state is not None:
                 self.prompts.capture_row(state, state.prompt_len + state.completion_tokens)  # its last prompt token went in
                 if single:  # timed alone: not stretched by others' decode steps

@@ -376,6 +376,9 @@ class EnginePool:
                     "ttl": self.ttl_of(model_id),
                     "active_requests": getattr(engine, "active_count", 0) if engine else 0,
                     "waiting_requests": getattr(engine, "waiting_count", 0) if engine else 0,
+                    # each request in flight: id, state, prompt/cached/prefilled/completion tokens
+                    # (a client polls `prefilled_tokens` for a long prompt's progress)
+                    "requests": engine.requests_view() if hasattr(engine, "requests_view") else [],
                     # CUDA: the idle engine's dummy prompt (graph_warmup.py), {tokens, target, done}
                     "graph_warmup": getattr(engine, "graph_warmup_progress", None) if engine else None,
                     # KV memory admission (engine/kv_budget.py): the longest sequence memory holds,

@@ -29,6 +29,8 @@ class GenerationDefaults(SamplingValues):
     max_tokens_cap: int | None = Field(default=None, ge=1, description="Cap on a request's max_tokens")
     context_length: int | None = Field(default=None, ge=16, description="Cap on the context window")
     chat_template_kwargs: dict[str, Any] | None = None
+    # the system message of a request that sends none (a profile's: a prompt preset, docs/chat.md)
+    system_prompt: str | None = Field(default=None, max_length=100_000, description="System message when a request sends none")
 
 
 class ModelSettings(GenerationDefaults):
@@ -109,6 +111,19 @@ class ModelSettingsStore:
             settings.profiles[name] = GenerationDefaults(**values)
         except ValidationError as exc:
             raise _invalid(exc) from None
+        self.put(model_id, settings)
+        return settings
+
+    def rename_profile(self, model_id: str, name: str, new: str) -> ModelSettings:
+        """`name` becomes `new`, its values and place kept."""
+        if not isinstance(new, str) or not new or ":" in new or "/" in new:
+            raise InvalidRequestError("Profile names must be non-empty and contain no ':' or '/'.", param="to")
+        settings = self._editable(model_id)
+        if name not in settings.profiles:
+            raise NotFoundError(f"Model '{model_id}' has no profile '{name}'.")
+        if new != name and new in settings.profiles:
+            raise InvalidRequestError(f"Profile '{new}' already exists for '{model_id}'.", param="to")
+        settings.profiles = {new if k == name else k: v for k, v in settings.profiles.items()}
         self.put(model_id, settings)
         return settings
 

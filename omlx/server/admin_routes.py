@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from omlx.admin.bodies import ModelSettingsPatch, ProfileBody, as_sent
+from omlx.admin.bodies import ModelSettingsPatch, ProfileBody, RenameBody, as_sent
 
 router = APIRouter(prefix="/api")
 
@@ -47,6 +47,14 @@ async def replace_profile(model_id: str, name: str, request: Request, body: Prof
     mid = _model_id(request, model_id)
     updated = _pool(request).model_settings.set_profile(mid, name, as_sent(body), create=False)
     return {"id": mid, "profile": name, "settings": updated.profiles[name].model_dump()}
+
+
+@router.post("/models/{model_id:path}/profiles/{name}/rename")
+async def rename_profile(model_id: str, name: str, request: Request, body: RenameBody) -> dict[str, Any]:
+    mid = _model_id(request, model_id)
+    new = as_sent(body).get("to")
+    updated = _pool(request).model_settings.rename_profile(mid, name, new)
+    return {"id": mid, "profile": new, "settings": updated.profiles[new].model_dump()}
 
 
 @router.delete("/models/{model_id:path}/profiles/{name}")

@@ -65,7 +65,7 @@ class BodyLimits:
             await self._refuse(scope, receive, send, 413, self._too_large())
             return
         body = b"".join(chunks)
-        if body:
+        if body and _may_be_json(request.headers.get("content-type", "")):
             depth = json_depth(body)
             if depth > self.max_depth:
                 message = f"The JSON body is nested {depth} levels deep; at most {self.max_depth} are accepted."
@@ -80,6 +80,13 @@ class BodyLimits:
     async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
         response = error_response(Request(scope), status, message, code="request_too_large" if status == 413 else None)
         await response(scope, receive, send)
+
+
+def _may_be_json(content_type: str) -> bool:
+    """Whether a route may parse the body as JSON: no content type, or a JSON one (FastAPI
+    hands any other body to its route as bytes, e.g. a document to convert)."""
+    kind = content_type.split(";")[0].strip().lower()
+    return not kind or kind == "application/json" or kind.endswith("+json")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -191,6 +191,9 @@ async def render_prompt(
     tools = None if turn.tool_choice == "none" else (turn.tools or None)
     native = bool(tools) and template_supports_tools(engine.tokenizer)
     turn.template_kwargs = {**(resolved.defaults.chat_template_kwargs or {}), **turn.template_kwargs}
+    preset = resolved.defaults.system_prompt
+    if preset and not any(m.get("role") == "system" for m in turn.messages):
+        turn.messages = [{"role": "system", "content": preset}, *turn.messages]
     recalled = recall_turns(memory, engine.model_id, turn.messages)
     prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
     parts = getattr(engine.loaded, "vision", None)

@@ -124,18 +124,19 @@ def test_02_load_a_model_and_edit_its_settings(page, server, screens):
     assert json.loads((server.home / "model_settings.json").read_text())["tiny-llama"]["pinned"] is True
 
 
-def test_03_chat_streams_an_answer_with_stats_and_can_stop(page, server, screens):
+def test_03_chat_streams_an_answer_with_stats(page, server, screens):
+    """The chat itself is tested in test_chat_browser.py; here: it works behind the login."""
     go(page, server, "chat")
+    page.wait_for_selector("select[name=model] option", state="attached")
     page.select_option("select[name=model]", "tiny-llama")
     page.fill("textarea[name=system]", "You are terse.")
     page.fill("input[name=max_tokens]", "40")
-    page.dispatch_event("input[name=max_tokens]", "change")
     page.fill("textarea[name=prompt]", "Write **bold** text and a `code` span.")
     page.click("[data-action=send]")
     answer = page.locator(".msg.assistant").last
     answer.locator(".meta:has-text('tok/s')").wait_for()
     meta = answer.locator(".meta").inner_text()
-    assert re.match(r"\d+ tokens · [\d.]+ tok/s · TTFT \d+ ms · 0 of \d+ prompt tokens cached", meta), meta
+    assert re.match(r"\d+ tokens · prefill [\d.]+ tok/s · decode [\d.]+ tok/s · TTFT [\d.]+ m?s · 0 of \d+ prompt tokens cached", meta), meta
     assert answer.locator(".bubble").inner_text().strip()
     assert page.locator(".msg.user .bubble").first.inner_text() == "Write **bold** text and a `code` span."
     # A second turn resends the first: the prefix cache restores it.
@@ -143,23 +144,8 @@ def test_03_chat_streams_an_answer_with_stats_and_can_stop(page, server, screens
     page.click("[data-action=send]")
     page.locator(".msg.assistant").nth(1).locator(".meta:has-text('tok/s')").wait_for()
     second = page.locator(".msg.assistant").nth(1).locator(".meta").inner_text()
-    assert not second.startswith("0 of") and " of " in second
+    assert not re.search(r" 0 of \d+ prompt", second), second
     shot(page, screens, "05-chat")
-    # Stop: a long prompt and answer, aborted at once; the server cancels the request.
-    page.click("[data-action=new-chat]")
-    page.fill("textarea[name=system]", "You are terse and precise. " * 50)
-    page.fill("input[name=max_tokens]", "1900")
-    page.dispatch_event("input[name=max_tokens]", "change")
-    page.fill("textarea[name=prompt]", "Go on for a long time.")
-    page.click("[data-action=send]")
-    page.click("[data-action=stop]", timeout=5000)
-    page.locator(".msg.assistant .meta:has-text('stopped')").wait_for()
-    assert page.is_visible("[data-action=send]") and not page.is_visible("[data-action=stop]")
-    for _ in range(100):
-        if "finish=cancelled" in server.log():
-            break
-        page.wait_for_timeout(100)
-    assert "finish=cancelled" in server.log()
 
 
 def test_04_markdown_escapes_html_and_highlights_code(page, server):

@@ -164,3 +164,13 @@ def test_sessions_issued_now_expire_after_their_max_age(monkeypatch):
     assert signer.verify(token)
     monkeypatch.setattr(time, "time", lambda: now + 62)
     assert not signer.verify(token)
+
+
+def test_every_string_the_chat_shows_is_in_strings_js():
+    """strings.js holds every visible string of the chat and the theme switch (one place to translate)."""
+    defined = set(re.findall(r'^\s+"([\w.]+)":', (STATIC / "strings.js").read_text(), re.M))
+    used = set()
+    for name in ["theme.js", "chat.js", "chat-view.js", "chat-side.js", "chat-stream.js"]:
+        used |= set(re.findall(r'\bT\("([\w.]+)"', (STATIC / name).read_text()))
+    assert used and used <= defined, sorted(used - defined)
+    assert {f"settings.thinking.{m}" for m in ("auto", "off", "on", "budget")} <= defined

@@ -1,189 +1,207 @@
-/* Chat: stream answers from any chat model through /v1/chat/completions (SSE). */
+/* Chat: several conversations kept in the browser (chat-store.js), streamed from
+   /v1/chat/completions (chat-stream.js), drawn with Preact + htm (chat-view.js, chat-side.js). */
 "use strict";
 
-const ChatState = { model: "", system: "", temperature: 0.7, top_p: 1, max_tokens: 1024, messages: [] };
+(function () {
+  const { html } = ChatView;
+  const { useState, useEffect, useRef, useReducer } = preactHooks;
+  const PAINT_MS = 50;
+  const POLL_MS = 400;
 
-App.page("chat", {
-  title: "Chat",
-  async render(view, ctx, actions) {
-    const models = (await App.models()).filter((m) => m.type === "llm");
-    const modelSelect = h("select", { name: "model" },
-      models.map((m) => h("option", { value: m.id, selected: m.id === ChatState.model },
-        `${m.id}${m.state === "unloaded" ? "" : " (loaded)"}`)));
-    if (!ChatState.model || !models.some((m) => m.id === ChatState.model)) {
-      const loaded = models.find((m) => m.state !== "unloaded");
-      ChatState.model = (loaded || models[0] || {}).id || "";
-      modelSelect.value = ChatState.model;
+  function ChatApp({ ctx }) {
+    const data = useRef(null);
+    if (!data.current) data.current = ChatStore.load();
+    const store = data.current;
+    const [, redraw] = useReducer((x) => x + 1, 0);
+    const [models, setModels] = useState(null);
+    const [tools, setTools] = useState(null);  // the server's MCP tools
+    const [busy, setBusy] = useState(false);
+    const [editing, setEditing] = useState(null);  // {index} of the turn whose user message is edited
+    const [pane, setPane] = useState("");  // phone width: "list" or "settings" shown over the chat
+    const controller = useRef(null);
+    const messagesEl = useRef(null);
+    const stick = useRef(true);  // follow the answer unless the user scrolled up
+    const autoTop = useRef(0);  // where the last scroll to the bottom left it
+
+    useEffect(() => {
+      App.models().then((all) => setModels(all.filter((m) => m.type === "llm"))).catch((err) => toast(err.message, "err"));
+      api("GET", "/v1/mcp/tools").then((r) => setTools(r.data)).catch(() => setTools([]));
+      ctx.onLeave(() => { if (controller.current) controller.current.abort(); });
+    }, []);
+
+    let chat = store.chats.find((c) => c.id === store.current);
+    if (!chat) {
+      chat = store.chats[0];
+      if (!chat) { chat = ChatStore.blank(""); store.chats.unshift(chat); }
+      store.current = chat.id;
     }
-    modelSelect.addEventListener("change", () => { ChatState.model = modelSelect.value; });
+    if (models && models.length && !models.some((m) => m.id === chat.model)) {
+      const loaded = models.find((m) => m.state !== "unloaded");
+      chat.model = (loaded || models[0]).id;
+      chat.preset = "";
+    }
 
-    const system = h("textarea", { name: "system", rows: 5, placeholder: "You are a helpful assistant." }, ChatState.system);
-    system.addEventListener("input", () => { ChatState.system = system.value; });
-    const numInput = (name, step, min, max) => {
-      const el = h("input", { type: "number", name, step, min, max, value: ChatState[name] });
-      el.addEventListener("change", () => { ChatState[name] = Number(el.value); });
-      return el;
+    useEffect(() => {
+      const el = messagesEl.current;
+      if (el && stick.current) { el.scrollTop = el.scrollHeight; autoTop.current = el.scrollTop; }
+    });
+
+    function persist(touch = true) {
+      if (touch) chat.updated = Date.now();
+      const err = ChatStore.save(store);
+      if (err) toast(T("chats.storage_full"), "err");
+      redraw();
+    }
+
+    const actions = {
+      select(id) {
+        if (busy) return;
+        store.current = id;
+        setEditing(null);
+        setPane("");
+        stick.current = true;
+        persist(false);
+      },
+      create() {
+        if (busy) return;
+        const fresh = ChatStore.blank(chat.model);
+        Object.assign(fresh, { preset: chat.preset, system: chat.system, settings: { ...chat.settings },
+          thinking: { ...chat.thinking }, tools: { ...chat.tools } });
+        store.chats.unshift(fresh);
+        store.current = fresh.id;
+        setEditing(null);
+        setPane("");
+        persist(false);
+      },
+      rename(c, title) { c.title = title; persist(false); },
+      remove(c) {
+        store.chats = store.chats.filter((x) => x !== c);
+        if (store.current === c.id) store.current = store.chats[0] ? store.chats[0].id : null;
+        persist(false);
+      },
+      change() { persist(); },
     };
 
-    const messages = h("div.messages", { "aria-live": "polite" });
-    const input = h("textarea", { name: "prompt", rows: 2, placeholder: "Send a message (Enter to send, Shift+Enter for a new line)" });
-    const send = button("Send", () => submit(), "btn-primary", { "data-action": "send" });
-    const stop = button("Stop", () => controller && controller.abort(), "btn-danger hidden", { "data-action": "stop" });
-    let controller = null;
-
-    append(actions, [button("New chat", () => {
-      if (controller) controller.abort();
-      ChatState.messages = [];
-      redraw();
-    }, "", { "data-action": "new-chat" })]);
-
-    append(view, [h("div.chat",
-      h("div.panel.chat-main", messages, h("div.composer", h("div.grow", input), send, stop)),
-      h("div.panel", h("div.panel-head", h("h2", "Settings")), h("div.panel-body.stack",
-        field("Model", modelSelect, models.length ? null : "No chat models found."),
-        field("System prompt", system),
-        h("div.fields",
-          field("Temperature", numInput("temperature", "0.1", "0", "2")),
-          field("Top p", numInput("top_p", "0.05", "0", "1"))),
-        field("Max tokens", numInput("max_tokens", "1", "1", "131072")))))]);
-
-    input.addEventListener("keydown", (e) => {
-      if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); submit(); }
-    });
-    ctx.onLeave(() => { if (controller) controller.abort(); });
-
-    function messageEl(msg) {
-      if (msg.role === "user") return h("div.msg.user", h("div.bubble", msg.content));
-      const bubble = h("div.bubble.md");
-      const meta = h("div.meta");
-      const el = h("div.msg.assistant", bubble, meta);
-      paint(el, msg);
-      return el;
-    }
-
-    function paint(el, msg) {
-      const [bubble, meta] = el.children;
-      bubble.classList.toggle("error", !!msg.error);
-      bubble.classList.toggle("cursor", !!msg.streaming);
-      if (msg.error) {
-        bubble.textContent = msg.error;
-      } else {
-        bubble.innerHTML = (msg.reasoning ? `<div class="thinking">${Markdown.escape(msg.reasoning)}</div>` : "") +
-          Markdown.render(msg.content || "");
-      }
-      meta.textContent = msg.stats || (msg.streaming ? (msg.content ? "" : "waiting for the first token…") : "");
-    }
-
-    function redraw() {
-      replace(messages, ChatState.messages.length ? ChatState.messages.map(messageEl)
-        : h("div.chat-empty", h("div", { style: { fontSize: "28px" } }, "✎"), h("div", "Ask something to start."),
-            h("div.small", ChatState.model ? `Model: ${ChatState.model}` : "")));
-      messages.scrollTop = messages.scrollHeight;
-    }
-
-    async function submit() {
-      const text = input.value.trim();
-      if (!text || controller) return;
-      if (!ChatState.model) { toast("Choose a model first", "err"); return; }
-      input.value = "";
-      ChatState.messages.push({ role: "user", content: text });
-      const answer = { role: "assistant", content: "", reasoning: "", streaming: true };
-      ChatState.messages.push(answer);
-      redraw();
-      const el = messages.lastElementChild;
-      const history = ChatState.messages.filter((m) => m !== answer && !m.error)
-        .map((m) => ({ role: m.role, content: m.content }));
-      if (ChatState.system.trim()) history.unshift({ role: "system", content: ChatState.system });
-
-      controller = new AbortController();
-      send.classList.add("hidden");
-      stop.classList.remove("hidden");
-      const started = performance.now();
-      let first = null;
+    async function generate(index, variant) {
+      const answer = variant.answer;
+      const payload = ChatStream.body(chat, ChatStore.messages(chat, index), tools);
+      const ctl = new AbortController();
+      controller.current = ctl;
+      setBusy(true);
+      stick.current = true;
+      persist();
+      const t = { sent: performance.now() };
       let usage = null;
+      let rid = null;
+      let lastPaint = 0;
+      let poll = null;
+      const paint = () => {
+        const now = performance.now();
+        if (now - lastPaint > PAINT_MS) { lastPaint = now; redraw(); }
+      };
+      const pollPrefill = async () => {
+        if (t.first || ctl.signal.aborted) return;
+        try {
+          const r = await ChatStream.requestStatus(chat.model, rid);
+          if (r && !t.first) { answer.prefill = { done: r.prefilled_tokens, total: r.prompt_tokens }; redraw(); }
+        } catch (_) { /* the figures are a nicety */ }
+        if (!t.first && !ctl.signal.aborted) poll = setTimeout(pollPrefill, POLL_MS);
+      };
       try {
-        const resp = await fetch("/v1/chat/completions", {
-          method: "POST",
-          credentials: "same-origin",
-          headers: { "Content-Type": "application/json", "X-OMLX-Admin": "1" },
-          signal: controller.signal,
-          body: JSON.stringify({
-            model: ChatState.model, messages: history, stream: true, stream_options: { include_usage: true },
-            temperature: ChatState.temperature, top_p: ChatState.top_p, max_tokens: ChatState.max_tokens,
-          }),
-        });
-        if (!resp.ok) {
-          let msg = `${resp.status} ${resp.statusText}`;
-          try { msg = (await resp.json()).error.message || msg; } catch (_) { /* keep the status */ }
-          if (resp.status === 401) App.showLogin();
-          throw new Error(msg);
-        }
-        const reader = resp.body.getReader();
-        const decoder = new TextDecoder();
-        let buf = "";
-        let lastPaint = 0;
-        for (;;) {
-          const { value, done } = await reader.read();
-          if (done) break;
-          buf += decoder.decode(value, { stream: true });
-          let idx;
-          while ((idx = buf.indexOf("\n\n")) >= 0) {
-            const event = buf.slice(0, idx);
-            buf = buf.slice(idx + 2);
-            for (const line of event.split("\n")) {
-              if (!line.startsWith("data:")) continue;
-              const data = line.slice(5).trim();
-              if (data === "[DONE]") continue;
-              const chunk = JSON.parse(data);
-              if (chunk.error) throw new Error(chunk.error.message || "generation failed");
-              if (chunk.usage) usage = chunk.usage;
-              const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
-              if (delta.content || delta.reasoning_content) {
-                if (first === null) first = performance.now();
-                answer.content += delta.content || "";
-                answer.reasoning += delta.reasoning_content || "";
-              }
-            }
-          }
+        await ChatStream.run(payload, ctl.signal, (chunk) => {
           const now = performance.now();
-          if (now - lastPaint > 50) {
-            lastPaint = now;
-            paint(el, answer);
-            messages.scrollTop = messages.scrollHeight;
+          if (!rid && chunk.id) { rid = chunk.id; poll = setTimeout(pollPrefill, 0); }
+          if (chunk.usage) usage = chunk.usage;
+          if (chunk.mcp) {  // a tool round the server ran: its text so far belongs to that round
+            answer.mcp.push(...chunk.mcp.messages);
+            answer.final_from = answer.content.length;
           }
-        }
-        answer.stats = stats(usage, started, first, performance.now());
+          const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+          if (delta.reasoning_content) {
+            if (!t.reasoning) { t.reasoning = now; answer.t_reasoning = now; }
+            answer.reasoning += delta.reasoning_content;
+          }
+          if (delta.content) {
+            if (!t.content) {
+              t.content = now;
+              if (t.reasoning) answer.thinking_s = (now - t.reasoning) / 1000;
+            }
+            answer.content += delta.content;
+          }
+          if ((delta.reasoning_content || delta.content) && !t.first) { t.first = now; answer.prefill = null; }
+          paint();
+        });
+        t.end = performance.now();
+        answer.stats = ChatStream.figures(usage, t);
       } catch (err) {
-        if (err.name === "AbortError") {
-          answer.stats = "stopped";
-        } else {
-          answer.error = err.message;
-        }
+        if (err.name === "AbortError") answer.stopped = true;
+        else answer.error = err.message;
       } finally {
+        clearTimeout(poll);
+        if (t.reasoning && answer.thinking_s === undefined) answer.thinking_s = ((t.content || performance.now()) - t.reasoning) / 1000;
         answer.streaming = false;
-        controller = null;
-        paint(el, answer);
-        messages.scrollTop = messages.scrollHeight;
-        send.classList.remove("hidden");
-        stop.classList.add("hidden");
-        input.focus();
+        answer.prefill = null;
+        controller.current = null;
+        setBusy(false);
+        persist();
       }
     }
 
-    function stats(u, start, first, end) {
-      if (!u) return "";
-      const decodeS = first ? (end - first) / 1000 : 0;
-      const tps = decodeS > 0 && u.completion_tokens > 1 ? (u.completion_tokens - 1) / decodeS : null;
-      const cached = (u.prompt_tokens_details && u.prompt_tokens_details.cached_tokens) || 0;
-      return [
-        `${u.completion_tokens} tokens`,
-        tps ? `${tps.toFixed(1)} tok/s` : null,
-        first ? `TTFT ${fmt.secs((first - start) / 1000)}` : null,
-        `${cached} of ${u.prompt_tokens} prompt tokens cached`,
-      ].filter(Boolean).join(" · ");
+    function send(user) {
+      if (!chat.model) { toast(T("errors.choose_model"), "err"); return false; }
+      if (editing) {
+        const { turn } = ChatStore.path(chat)[editing.index];
+        const variant = ChatStore.addVariant(turn, user);
+        const index = editing.index;
+        setEditing(null);
+        generate(index, variant);
+      } else {
+        const variant = ChatStore.addTurn(chat, user);
+        generate(ChatStore.path(chat).length - 1, variant);
+      }
+      return true;
     }
 
-    redraw();
-    input.focus();
-  },
-});
+    const shown = ChatStore.path(chat);
+    const now = performance.now();
+    const model = (models || []).find((m) => m.id === chat.model);
+    return html`<div class=${"chat2" + (pane ? ` show-${pane}` : "")}>
+      <${ChatSide.ChatList} store=${store} chat=${chat} busy=${busy} actions=${actions} />
+      <section class="panel chat-main">
+        <div class="chat-bar">
+          <button type="button" class="btn btn-small" data-action="show-list" onClick=${() => setPane(pane === "list" ? "" : "list")}>${T("chats.show_list")}</button>
+          <span class="chat-bar-title">${chat.title || T("chats.untitled")}</span>
+          <button type="button" class="btn btn-small" data-action="show-settings" onClick=${() => setPane(pane === "settings" ? "" : "settings")}>${T("chats.show_settings")}</button>
+        </div>
+        <div class="messages" aria-live="polite" ref=${messagesEl}
+          onScroll=${(e) => {  // our own scrolls land at autoTop; only moving up from there unsticks
+            const el = e.currentTarget;
+            if (el.scrollTop < autoTop.current - 4) stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 40;
+            else stick.current = true;
+          }}>
+          ${shown.length ? shown.map(({ turn, variant }, i) => html`<${ChatView.Turn} key=${i} turn=${turn} variant=${variant}
+              index=${i} now=${now} busy=${busy}
+              onEdit=${() => setEditing({ index: i, user: variant.user })}
+              onRegenerate=${() => generate(i, ChatStore.addVariant(turn))}
+              onPick=${(v) => { turn.active = v; persist(); }} />`)
+            : html`<div class="chat-empty"><div class="chat-empty-mark">✎</div><div>${T("empty.prompt")}</div>
+                <div class="small">${chat.model ? T("empty.model", { model: chat.model }) : ""}</div></div>`}
+        </div>
+        <${ChatSide.Composer} key=${chat.id + (editing ? `-edit-${editing.index}` : "")} editing=${editing} busy=${busy}
+          model=${model} onSend=${send} onStop=${() => controller.current && controller.current.abort()}
+          onCancelEdit=${() => setEditing(null)} />
+      </section>
+      <${ChatSide.Settings} chat=${chat} models=${models} tools=${tools} busy=${busy} onChange=${actions.change} />
+    </div>`;
+  }
+
+  App.page("chat", {
+    title: T("chat.title"),
+    async render(view, ctx) {
+      const root = h("div.chat-root");
+      append(view, [root]);
+      preact.render(html`<${ChatApp} ctx=${ctx} />`, root);
+      ctx.onLeave(() => preact.render(null, root));
+    },
+  });
+})();

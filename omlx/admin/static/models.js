@@ -92,10 +92,12 @@ function genInputs(values) {
   }));
   const kwargs = h("textarea", { name: "chat_template_kwargs", rows: 2, placeholder: '{"enable_thinking": false}' },
     values.chat_template_kwargs ? JSON.stringify(values.chat_template_kwargs) : "");
+  const system = h("textarea", { name: "system_prompt", rows: 3, placeholder: "none" }, values.system_prompt || "");
   return {
-    el: h("div.stack", grid, field("chat_template_kwargs (JSON)", kwargs)),
+    el: h("div.stack", grid, field("chat_template_kwargs (JSON)", kwargs),
+      field("system_prompt", system, "The system message of a request that sends none; in the chat, a profile is a prompt preset.")),
     read() {
-      const out = {};
+      const out = { system_prompt: system.value.trim() ? system.value : null };
       for (const [name, kind] of GEN_FIELDS) out[name] = numOrNull(inputs[name], kind);
       const k = kwargs.value.trim();
       try { out.chat_template_kwargs = k ? JSON.parse(k) : null; } catch (_) { throw new Error("chat_template_kwargs: not valid JSON"); }
@@ -130,7 +132,7 @@ async function editSettings(model, refresh) {
               const fresh = await api("GET", `/api/models/${enc(model.id)}/settings`);
               renderProfiles(fresh.settings.profiles);
             }), "btn-small btn-danger")))))))
-        : h("div.muted.small", "No profiles. A profile presets generation values under a name; request it as model:name."),
+        : h("div.muted.small", "No profiles. A profile presets generation values and a system prompt under a name; request it as model:name (the chat lists them as prompt presets)."),
       h("div", button("Add profile", () => profileEditor(model, null, {}, renderProfiles), "btn-small")));
   }
   renderProfiles(s.profiles);
