@@ -1,0 +1,130 @@
+"""DeepSeek-OCR through a real `omlx serve`: a tiny random-weight `deepseekocr` built with
+mlx-vlm's own classes (its SAM encoder at full size: every image is a 1024-pixel SAM pass, minutes
+on a 2-core CPU, so this file makes two server requests and one reference run), an image drawn with
+Pillow, the prompt in the model's own format."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.server import ServerProcess
+from tests.support.tiny_deepseek_ocr import build_tiny_deepseek_ocr
+from tests.support.tiny_vlm import draw_png
+
+pytest.importorskip("mlx_vlm", reason="the vision tests need omlx[vision] (scripts/setup.sh test installs it)")
+
+OCR = "tiny-deepseek-ocr"
+PROMPT = "Free OCR."
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ocr-models")
+    build_tiny_deepseek_ocr(root / OCR)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(models: Path, tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("ocr-home")
+    srv = ServerProcess(home, ["--model-dir", str(models), "--model", OCR, "--cache-block-size", "16"])
+    srv.start()
+    yield srv
+    srv.stop()
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _mlx_vlm(path: Path, png: bytes, n: int) -> tuple[str, int]:
+    """mlx-vlm's own greedy `stream_generate` with its own prompt formatting for this model: the
+    first `n` tokens as the server's streaming detokenizer reads them, and the prompt's length."""
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    model, processor = load(str(path))
+    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
+    image = Image.open(io.BytesIO(png)).convert("RGB")
+    steps = list(stream_generate(model, processor, prompt, image=[image], max_tokens=n, temperature=0.0))
+    detok = load_tokenizer(path).detokenizer
+    detok.reset()
+    for step in steps[:n]:
+        detok.add_token(step.token)
+    detok.finalize()
+    return detok.text, steps[-1].prompt_tokens
+
+
+def test_deepseek_ocr_answers_as_mlx_vlm_and_a_repeat_is_a_cache_hit(server, models):
+    """Greedy output equals mlx-vlm's generate on the same model and image (the prompt's 273 image
+    slots included); the same request again restores the whole prompt, image included, from the
+    prefix cache and answers the same."""
+    png = draw_png("circle", (96, 64))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    body = {"model": OCR, "temperature": 0, "max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]}]}  # fmt: skip
+    replies = []
+    for _ in range(2):
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        replies.append(r.json())
+    first, again = replies
+    text = first["choices"][0]["message"]["content"]
+    want, prompt_tokens = _mlx_vlm(models / OCR, png, first["usage"]["completion_tokens"])
+    assert first["usage"]["prompt_tokens"] == prompt_tokens > 273
+    assert text == want and first["usage"]["completion_tokens"] >= 4
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1  # all but the token fed to decode
+    assert again["choices"][0]["message"]["content"] == text
+
+
+class _Engine:
+    """What `ocr_prompt` needs of an engine: `call` runs on the caller's thread here."""
+
+    async def call(self, fn):
+        return fn()
+
+
+def test_the_prompt_is_the_processors_layout_keyed_by_image(tmp_path: Path):
+    """mlx-vlm's processor lays out the prompt (a small image: the global view's 16 rows of 16 slots
+    and a newline slot, then the view separator; a large one adds its tiles' rows) and each image's
+    slots carry its digest: the same image gives the same tokens, another differs from its first
+    slot on, the text before it stays the same (no tower runs here: the processor only)."""
+    import asyncio
+    from dataclasses import dataclass
+
+    import mlx_vlm.models.deepseekocr  # noqa: F401  (installs mlx-vlm's AutoProcessor hook, as loading the model does)
+    from mlx_vlm.utils import load_processor
+
+    from omlx.api.images import IMAGE_MARK, ImageLimits, ImageRef
+    from omlx.server.ocr_prompt import ocr_prompt
+    from omlx.server.vision_prompt import KEY_BASE
+
+    @dataclass
+    class Parts:
+        ocr: object
+
+    path = build_tiny_deepseek_ocr(tmp_path / OCR, weights=False)
+    parts = Parts(load_processor(path, add_detokenizer=False))
+
+    def prompt(*pngs: bytes) -> tuple[list[int], object]:
+        marks = "".join(IMAGE_MARK + f"Page {i}." for i in range(len(pngs)))
+        refs = [ImageRef(f"messages.0.content.{i}", data=p) for i, p in enumerate(pngs)]
+        messages = [{"role": "user", "content": marks + " " + PROMPT}]
+        return asyncio.run(ocr_prompt(_Engine(), parts, messages, refs, ImageLimits()))
+
+    circle, square, wide = draw_png("circle", (96, 64)), draw_png("square", (96, 64)), draw_png("stripes", (900, 500))
+    a, ocr = prompt(circle)
+    assert a[0] == 0 and ocr.spans == [(1, 273)] and ocr.views[0][2] == (1, 1)
+    assert all(t >= KEY_BASE for t in a[1:274]) and all(t < KEY_BASE for t in a[274:])
+    assert prompt(circle)[0] == a
+    b, _ = prompt(square)
+    assert b[:1] == a[:1] and b[1] != a[1] and b[274:] == a[274:]
+    both, ocr = prompt(wide, circle)  # 900x500: 2x1 tiles of 640, each 10 rows of 10 slots + newline
+    assert ocr.views[0][2] == (2, 1) and ocr.views[0][0].shape == (2, 3, 640, 640)
+    assert [n for _, n in ocr.spans] == [273 + 10 * 21, 273]
