@@ -1,8 +1,9 @@
 """A DeepSeek-OCR prompt: the messages formatted as mlx-vlm formats them for this model (each image
 an `<image>\\n` before its message's text, through the processor's chat template: DeepSeek's
 "plain" format, no role tags), tokenized by mlx-vlm's own `DeepseekOCRProcessor` with the images
-(BOS, the global view's 16 rows of 16 slots and a newline slot, the tiles' rows when the image is
-larger than 640 pixels, the view separator; the template's trailing space dropped), and each
+(BOS; per image a run of slots: the global view's 16 rows of 16, the tiles' rows when the image is
+larger than 640 pixels, each row with a newline slot, and the view separator; the template's
+trailing space dropped), and each
 image's slots replaced by keyed ids of the image's digest, as for the other VLMs
 (`vision_prompt.keyed_ids`), so the prefix cache keys them by image content.
 

@@ -1,12 +1,11 @@
 """DeepSeek-OCR through a real `omlx serve`: a tiny random-weight `deepseekocr` built with
-mlx-vlm's own classes (its SAM encoder at full size: every image is a 1024-pixel SAM pass, minutes
-on a 2-core CPU, so this file makes two server requests and one reference run), an image drawn with
-Pillow, the prompt in the model's own format."""
+mlx-vlm's own classes (its SAM encoder at full size: every image is a 1024-pixel SAM pass, ~30 s on
+a 2-core CPU with OpenBLAS, so this file encodes one image in the server and one in the reference
+run; 97 s in all, measured), an image drawn with Pillow, the prompt in the model's own format."""
 
 from __future__ import annotations
 
 import base64
-import io
 import shutil
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.support.server import ServerProcess
-from tests.support.tiny_deepseek_ocr import build_tiny_deepseek_ocr
+from tests.support.tiny_deepseek_ocr import build_tiny_deepseek_ocr, mlx_vlm_reference
 from tests.support.tiny_vlm import draw_png
 
 pytest.importorskip("mlx_vlm", reason="the vision tests need omlx[vision] (scripts/setup.sh test installs it)")
@@ -41,23 +40,17 @@ def server(models: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _mlx_vlm(path: Path, png: bytes, n: int) -> tuple[str, int]:
-    """mlx-vlm's own greedy `stream_generate` with its own prompt formatting for this model: the
-    first `n` tokens as the server's streaming detokenizer reads them, and the prompt's length."""
+    """mlx-vlm's own greedy generate (`mlx_vlm_reference`): its first `n` tokens as the server's
+    streaming detokenizer reads them, and the prompt's length."""
     from mlx_lm.utils import load_tokenizer
-    from mlx_vlm import load, stream_generate
-    from mlx_vlm.prompt_utils import apply_chat_template
-    from PIL import Image
 
-    model, processor = load(str(path))
-    prompt = apply_chat_template(processor, model.config, PROMPT, num_images=1)
-    image = Image.open(io.BytesIO(png)).convert("RGB")
-    steps = list(stream_generate(model, processor, prompt, image=[image], max_tokens=n, temperature=0.0))
+    tokens, prompt_tokens = mlx_vlm_reference(path, png, PROMPT, n)
     detok = load_tokenizer(path).detokenizer
     detok.reset()
-    for step in steps[:n]:
-        detok.add_token(step.token)
+    for t in tokens:
+        detok.add_token(t)
     detok.finalize()
-    return detok.text, steps[-1].prompt_tokens
+    return detok.text, prompt_tokens
 
 
 def test_deepseek_ocr_answers_as_mlx_vlm_and_a_repeat_is_a_cache_hit(server, models):
@@ -81,6 +74,36 @@ def test_deepseek_ocr_answers_as_mlx_vlm_and_a_repeat_is_a_cache_hit(server, mod
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt_tokens - 1  # all but the token fed to decode
     assert again["choices"][0]["message"]["content"] == text
+
+
+def test_an_image_request_and_a_text_request_share_decode_steps(server):
+    """The image request and a text request at once decode in shared steps and answer as each did
+    alone (after the test above the image's prompt is cached, so no tower runs here)."""
+    import concurrent.futures as cf
+
+    png = draw_png("circle", (96, 64))
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]}]
+    text = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+
+    def ask(messages: list[dict]) -> tuple[str, int]:
+        body = {"model": OCR, "temperature": 0, "max_tokens": 40, "logit_bias": {"1": -100}, "messages": messages}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def steps() -> dict:
+        data = httpx.get(server.base_url + "/v1/models/status").json()["data"]
+        return next(m for m in data if m["id"] == OCR)["step_times"]
+
+    alone = [ask(m) for m in (image, text)]
+    before = steps()
+    with cf.ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(ask, (image, text)))
+    after = steps()
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    tokens, loops = after["tokens"] - before["tokens"], after["loops"] - before["loops"]
+    assert tokens >= 2 * 36 and loops < tokens * 0.75, (tokens, loops)  # the rows shared decode steps
 
 
 class _Engine:

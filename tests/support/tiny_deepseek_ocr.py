@@ -77,3 +77,48 @@ def build_tiny_deepseek_ocr(out: Path, *, seed: int = 0, weight_scale: float = 4
     mx.eval(model.parameters())
     save_weights(out, model)
     return out
+
+
+def mlx_vlm_reference(path: Path, png: bytes, prompt: str, n: int) -> tuple[list[int], int]:
+    """mlx-vlm's own greedy `stream_generate` on this model and image, with its own prompt formatting
+    for the model (`apply_chat_template`): the first `n` tokens and the prompt's length. Run in a
+    child process with OpenBLAS preloaded where installed, as `omlx serve` runs (the reference BLAS
+    bundled with mlx-cpu makes the 1024-pixel SAM pass take minutes instead of seconds)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from omlx.platform_info import find_openblas
+
+    env = dict(os.environ)
+    lib = find_openblas()
+    if lib is not None and sys.platform == "linux":
+        env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+    with tempfile.NamedTemporaryFile(suffix=".png") as f:
+        f.write(png)
+        f.flush()
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run([sys.executable, "-m", "tests.support.tiny_deepseek_ocr", str(path), f.name, prompt, str(n)],
+                             env=env, cwd=root,
+                             capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
+    tokens, prompt_tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    return tokens, prompt_tokens
+
+
+def _reference_main(path: str, png_path: str, prompt: str, n: int) -> None:
+    from mlx_vlm import load, stream_generate
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
+
+    model, processor = load(path)
+    text = apply_chat_template(processor, model.config, prompt, num_images=1)
+    image = Image.open(png_path).convert("RGB")
+    steps = list(stream_generate(model, processor, text, image=[image], max_tokens=n, temperature=0.0))
+    print(json.dumps([[int(s.token) for s in steps[:n]], int(steps[-1].prompt_tokens)]), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _reference_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
