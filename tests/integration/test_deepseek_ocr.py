@@ -1,7 +1,7 @@
 """DeepSeek-OCR through a real `omlx serve`: a tiny random-weight `deepseekocr` built with
 mlx-vlm's own classes (its SAM encoder at full size: every image is a 1024-pixel SAM pass, ~30 s on
-a 2-core CPU with OpenBLAS, so this file encodes one image in the server and one in the reference
-run; 97 s in all, measured), an image drawn with Pillow, the prompt in the model's own format."""
+a 2-core CPU with OpenBLAS, so this file encodes three images in the server and one in the
+reference run), images drawn with Pillow, the prompt in the model's own format."""
 
 from __future__ import annotations
 
@@ -104,6 +104,29 @@ def test_an_image_request_and_a_text_request_share_decode_steps(server):
     assert [t for t, _ in together] == [t for t, _ in alone]
     tokens, loops = after["tokens"] - before["tokens"], after["loops"] - before["loops"]
     assert tokens >= 2 * 36 and loops < tokens * 0.75, (tokens, loops)  # the rows shared decode steps
+
+
+def test_a_different_image_misses_from_its_block_and_the_text_before_it_is_shared(server, models):
+    """A system prompt before the image fills whole blocks of 16: a second image after the same system
+    prompt restores those blocks and computes the rest (its own image encoded: two tower passes)."""
+    system = {"role": "system", "content": "You read scanned documents and write out their text. " * 4}
+
+    def ask(png: bytes) -> dict:
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        body = {"model": OCR, "temperature": 0, "max_tokens": 4, "messages": [system, {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": PROMPT}]}]}  # fmt: skip
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=900)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(models / OCR)
+    start = 1 + len(tok.encode(system["content"] + " ", add_special_tokens=False))  # BOS, then the system text
+    assert start > 32
+    assert ask(draw_png("stripes", (96, 64)))["prompt_tokens_details"]["cached_tokens"] == 0
+    other = ask(draw_png("square", (96, 64)))
+    assert start - 16 < other["prompt_tokens_details"]["cached_tokens"] <= start  # shared up to the image's block
 
 
 class _Engine:
