@@ -129,6 +129,22 @@ def test_a_different_image_misses_from_its_block_and_the_text_before_it_is_share
     assert start - 16 < other["prompt_tokens_details"]["cached_tokens"] <= start  # shared up to the image's block
 
 
+def test_anthropic_count_tokens_counts_the_processors_layout(server):
+    """`/v1/messages/count_tokens` counts an image as the processor lays it out (BOS, 273 slots, the
+    text), and a tool offered to this model is refused (its format has none); no tower runs."""
+    png = base64.b64encode(draw_png("circle", (96, 64))).decode()
+    content = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+               {"type": "text", "text": PROMPT}]  # fmt: skip
+    body = {"model": OCR, "messages": [{"role": "user", "content": content}]}
+    r = httpx.post(server.base_url + "/v1/messages/count_tokens", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["input_tokens"] == 283  # as the chat request of the first test
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": OCR, "max_tokens": 2, "tools": [tool], "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert r.status_code == 400 and "no tools" in r.text
+
+
 class _Engine:
     """What `ocr_prompt` needs of an engine: `call` runs on the caller's thread here."""
 
