@@ -11,18 +11,18 @@ from typing import Any
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.request_state import RequestState
-from omlx.engine.vision_lm import VisionLM, VisionPrefill, with_delta
+from omlx.engine.vision_lm import VisionLM, with_delta
 
 
 def is_vision(model: Any) -> bool:
     return isinstance(model, VisionLM)
 
 
-def solo_parts(model: VisionLM, state: RequestState, cache: list[Any] | None, cached: int) -> tuple[list[Any], VisionPrefill]:
+def solo_parts(model: VisionLM, state: RequestState, cache: list[Any] | None, cached: int) -> tuple[list[Any], Any]:
     """The vision prompt's cache (the restored prefix, or a fresh one) carrying its rope delta, and its
     prefill after `cached` tokens (image features computed here, once; not for images inside the prefix)."""
     req = state.request
-    prefill = VisionPrefill(model, req.prompt_tokens, req.vision, cached)
+    prefill = model.prefill(req.prompt_tokens, req.vision, cached)  # VisionPrefill, or OcrPrefill
     state.rope_delta = prefill.delta
     own = with_delta(cache if cache is not None else make_prompt_cache(model), prefill.delta)
     assert own is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +24,22 @@ class VisionInput:
         counts = self.grid_thw.prod(axis=1)
         start = int(counts[:i].sum())
         return start, start + int(counts[i])
+
+    @property
+    def end(self) -> int:
+        """The index after the last image token."""
+        return max(s + n for s, n in self.spans) if self.spans else 0
+
+
+@dataclass
+class OcrInput:
+    """A DeepSeek-OCR prompt's images as mlx-vlm's processor made them (on the engine thread: MLX
+    arrays): per image its tiles (None when it is the global view only), its global view (1, 3,
+    1024, 1024) and its tile grid (across, down); where each image's slots lie (`spans`)."""
+
+    views: list[tuple[Any, Any, tuple[int, int]]]
+    spans: list[tuple[int, int]]
+    activation_bytes: int = 0
 
     @property
     def end(self) -> int:

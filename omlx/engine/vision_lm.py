@@ -108,6 +108,10 @@ class VisionLM(nn.Module):
             return lm.model.embed_tokens.as_linear(h)
         return lm.lm_head(h)
 
+    def prefill(self, tokens: list[int], vision: VisionInput, cached: int) -> VisionPrefill:
+        """The prompt's chunks after `cached` tokens, image features in place (`VisionPrefill`)."""
+        return VisionPrefill(self, tokens, vision, cached)
+
     @staticmethod
     def _positions(batch: int, length: int, cache: list[Any] | None) -> mx.array:
         steps = mx.arange(length, dtype=mx.int32)[None]

@@ -19,9 +19,10 @@ from omlx.models.discovery import ModelInfo
 log = logging.getLogger("omlx.models")
 
 EXTRA = "omlx[vision]"
-# served: the M-RoPE models whose language model takes explicit positions (engine/vision_lm.py);
-# others with a vision tower are refused by name
-SERVED = frozenset({"qwen2_vl", "qwen2_5_vl", "glm_ocr"})
+# served: the M-RoPE models whose language model takes explicit positions (engine/vision_lm.py) and
+# DeepSeek-OCR, whose prompt layout its own processor builds (engine/vision_ocr.py,
+# server/ocr_prompt.py); others with a vision tower are refused by name
+SERVED = frozenset({"qwen2_vl", "qwen2_5_vl", "glm_ocr", "deepseekocr"})
 
 
 def vision_installed() -> bool:
@@ -60,6 +61,9 @@ class VisionParts:
     merge_size: int
     heads: int = 16  # the vision tower's attention heads
     width: int = 1280  # its hidden size
+    # DeepSeek-OCR: mlx-vlm's `DeepseekOCRProcessor`, which tokenizes the prompt with its images
+    # (tiles, newline and view-separator slots) in place of `image_processor` (server/ocr_prompt.py)
+    ocr: Any = None
 
     def tokens_for(self, grid_thw: Any) -> int:
         """Prompt tokens one image of this (t, h, w) patch grid takes."""
@@ -89,6 +93,12 @@ def load_vlm(info: ModelInfo, dtype: Any | None) -> tuple[Any, Any, VisionParts]
     eos = info.config.get("eos_token_id")
     tokenizer = load_tokenizer(info.path, eos_token_ids=eos if eos is not None else None)
     processor = load_processor(info.path, add_detokenizer=False)
+    if info.config["model_type"] == "deepseekocr":
+        from omlx.engine.vision_ocr import SAM_HEADS, SAM_WIDTH, OcrLM
+
+        token = int(vlm.config.image_token_index)
+        ocr = VisionParts(None, token, 1, heads=SAM_HEADS, width=SAM_WIDTH, ocr=processor)
+        return OcrLM(vlm, info.config["model_type"]), tokenizer, ocr
     parts = VisionParts(
         image_processor=processor.image_processor,
         image_token_id=int(vlm.config.image_token_id),

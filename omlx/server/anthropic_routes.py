@@ -49,6 +49,7 @@ from omlx.server.mcp_loop import (
     summed,
     tool_loop,
 )
+from omlx.server.ocr_prompt import ocr_prompt
 from omlx.server.openai_routes import default_max_tokens, media_policy, with_llm
 from omlx.server.sse import KEEPALIVE, EventStream, sse_event, with_keepalive
 from omlx.server.vision_prompt import expand, load_images, with_image_parts
@@ -227,6 +228,9 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     async with request.app.state.pool.lease(body.model, "llm") as (engine, _resolved):
         native = bool(tools) and template_supports_tools(engine.tokenizer)
         parts = getattr(engine.loaded, "vision", None)
+        if parts is not None and parts.ocr is not None:  # DeepSeek-OCR: its processor lays out the prompt
+            tokens, _ = await ocr_prompt(engine, parts, turn.messages, media.images, media.limits)
+            return {"input_tokens": len(tokens)}
         if media.images:  # counted as the prompt would hold them (vision_prompt.py)
             _, grid, digests = await load_images(media.images, media.limits, parts)
             turn = replace(turn, messages=with_image_parts(turn.messages))

@@ -24,11 +24,12 @@ from omlx.api.tool_calls import OutputWarning, ReasoningDelta, TextDelta, ToolCa
 from omlx.api.tool_prompt import inject_tools_into_system, template_supports_tools
 from omlx.engine.llm_engine import LLMEngine
 from omlx.engine.request import GenerationEvent, GenerationRequest, new_request_id
-from omlx.engine.vision_input import VisionInput
+from omlx.engine.vision_input import OcrInput, VisionInput
 from omlx.errors import InvalidRequestError
 from omlx.pool.engine_pool import Resolved
 from omlx.server.generation import completion_budget, event_error, sampling_params
 from omlx.server.log_setup import bind
+from omlx.server.ocr_prompt import ocr_prompt
 from omlx.server.structured import build_constraint, tool_forcing
 from omlx.server.turn_memory import GeneratedTurn, TurnMemory, answer_prefill
 from omlx.server.vision_prompt import check_sampling, expand, load_images, with_image_parts
@@ -176,7 +177,7 @@ class RenderedPrompt:
     tokens: list[int]
     recalled: int  # earlier assistant turns found in the turn memory, rendered as generated
     rewritten: int  # how many of them the chat template rewrote
-    vision: VisionInput | None = None  # the images' pixels and where their tokens lie
+    vision: VisionInput | OcrInput | None = None  # the images' pixels and where their tokens lie
     tools: list[dict[str, Any]] | None = None  # the tools offered (none under tool_choice "none")
     native: bool = False  # rendered by the template itself (else described in the system prompt)
 
@@ -197,6 +198,11 @@ async def render_prompt(
     recalled = recall_turns(memory, engine.model_id, turn.messages)
     prefill = _prefill(engine, turn.template_kwargs) if recalled else ""
     parts = getattr(engine.loaded, "vision", None)
+    if parts is not None and parts.ocr is not None:  # DeepSeek-OCR: its processor lays out the prompt
+        if tools:
+            raise InvalidRequestError(f"model '{engine.model_id}' is an OCR model; its prompt format has no tools.", param="tools")
+        tokens, ocr = await ocr_prompt(engine, parts, turn.messages, turn.images, turn.image_limits)
+        return RenderedPrompt(tokens, 0, 0, ocr)
     if turn.images:
         if parts is None:
             raise InvalidRequestError(f"model '{engine.model_id}' cannot read images.", param="messages")
