@@ -396,7 +396,7 @@ def llama_server_path() -> Path:
     steps = "\n".join("  " + " ".join(step) for step in llama_build_steps())
     raise SystemExit(
         f"llama-server not found at {path}. Build it once (cmake, ninja and a C++ compiler; "
-        f"~30 min on 2 cores) with `{PYTHON} benchmarks/common.py build-llama-server`, i.e. in "
+        f"~10 min on 2 cores) with `{PYTHON} benchmarks/common.py build-llama-server`, i.e. in "
         f"{LLAMA_CPP_DIR}:\n{steps}\nor point $LLAMA_SERVER at a llama-server binary."
     )
 
