@@ -141,7 +141,7 @@ def main() -> None:
                     tps, others = quiet.measure(lambda s=side, w=work: one(s, w), lambda s=side: [sides[s].pid])
                     noise.append(others)
                     figures[f"{work}_{side}"].append(tps)
-                    log(f"  decode {tps:.2f} tok/s")
+                    log(f"  decode {tps:.2f} tok/s (others used {others:.2f} cores)")
         logs = {name: server.log_path.read_text(errors="replace") for name, server in sides.items()}
     except BaseException:
         for server in sides.values():

@@ -123,6 +123,7 @@ def peer_part(args: argparse.Namespace, model: PreparedModel, info: dict) -> Non
                     r, others = quiet.measure(lambda n=name, i=i: ask(n, i), Server.live_pids)
                     noise.append(others)
                     rounds[name][-1].append(r)
+            log(f"  others used {mean(noise[-2 * len(SCHEMAS):]):.2f} cores on average this round")
     except BaseException:
         for server in sides.values():
             if server.proc is not None and server.proc.poll() is None:
@@ -148,7 +149,9 @@ def peer_part(args: argparse.Namespace, model: PreparedModel, info: dict) -> Non
             sum(r.prompt_tokens for r in rounds[p][0]), "", True, None, "llama-server"),
     ]  # fmt: skip
     print_table("(c) the tests' 20 JSON schemas: oMLX (float32 from the GGUF) vs llama-server (the GGUF)", rows)
-    print("\nrounds (decode tok/s): " + "; ".join(f"{n} {' / '.join(f'{t:.2f}' for t in tps[n])}" for n in sides))
+    per_round = [mean(noise[k : k + 2 * len(SCHEMAS)]) for k in range(0, len(noise), 2 * len(SCHEMAS))]
+    print("\nrounds (decode tok/s): " + "; ".join(f"{n} {' / '.join(f'{t:.2f}' for t in tps[n])}" for n in sides)
+          + f"; others' cores, mean per round: {' / '.join(f'{x:.2f}' for x in per_round)}")  # fmt: skip
     for name in sides:
         bad = sorted({(i, w) for ws in why[name] for i, w in enumerate(ws) if w})
         print(f"{name} invalid: " + (", ".join(f"#{i} {w}" for i, w in bad) or "none"))
