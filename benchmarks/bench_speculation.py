@@ -168,7 +168,8 @@ def main() -> None:
         rows += peer_rows(best, median, sides, texts, logs)
     print(f"\nnoise: other processes used {mean(noise):.2f} cores on average (at most {max(noise):.2f}) "
           f"during the {len(noise)} measurements")  # fmt: skip
-    write_json(args.json, {**info, "figures": figures, "same_text": same, "rows": [r.as_dict() for r in rows]})
+    write_json(args.json, {**info, "figures": figures, "same_text": same, "rows": [r.as_dict() for r in rows],
+                           "texts": {k: sorted(v) for k, v in texts.items()}})  # fmt: skip
 
 
 def peer_rows(best: dict, median: dict, sides: dict, texts: dict, logs: dict) -> list[Row]:
@@ -185,8 +186,10 @@ def peer_rows(best: dict, median: dict, sides: dict, texts: dict, logs: dict) ->
         print_table(f"(d) speedup of speculation: oMLX vs llama-server {name}", rows[-6:])
         same = {w: texts[f"{w}_{key}"] == texts[f"{w}_llama"] and len(texts[f"{w}_llama"]) == 1 for w in ("edit", "chat")}
         acc = [line.split("draft acceptance = ")[1].strip() for line in logs[key].splitlines() if "draft acceptance = " in line]
-        print(f"\nllama-server {name}: same text as without, every round: edit {same['edit']}, chat {same['chat']}; "
-              f"its requests' draft acceptance: {'; '.join(acc) or 'none logged'}")  # fmt: skip
+        distinct = ", ".join(f"{w} {len(texts[f'{w}_llama'])}/{len(texts[f'{w}_{key}'])}" for w in ("edit", "chat"))
+        print(f"\nllama-server {name}: same text as without, every round: edit {same['edit']}, chat {same['chat']} "
+              f"(distinct texts without/with: {distinct}); its requests' draft acceptance (one line per request that "
+              f"drafted, warm-up included): {'; '.join(acc) or 'none logged'}")  # fmt: skip
     for work in ("edit", "chat"):
         rows.append(Row(f"(d) {work} without speculation, best", best[f"{work}_plain"], best[f"{work}_llama"], "tok/s",
                         True, None, "llama-server"))  # fmt: skip
