@@ -5,17 +5,24 @@ servers on the same weights (Qwen2.5-Coder-0.5B-Instruct in float32 by default).
       batch-1 decode tok/s with vs without — goal >= 2.0x, and the same tokens on both sides;
   (b) free-form chat (nothing to copy): batch-1 decode tok/s with vs without — goal >= 0.95x.
 
-Greedy, the requests users send (no logit_bias); both servers keep a hot prefix cache, so the
-prompt is prefilled once per server and rounds measure decode. The two sides alternate within
-each round; best and median of --repeats rounds are reported.
+With --peer llama.cpp, also (d): llama.cpp's llama-server on the GGUF oMLX imports the model
+from, without speculation and with each --llama-spec set of its n-gram speculation flags (default:
+ngram-simple, the same lookup key of 4 tokens and the same 8-token drafts as ours), on the same two
+workloads in the same rounds: its speedup beside ours.
+
+Greedy, the requests users send (no logit_bias); every server keeps a hot prefix cache, so the
+prompt is prefilled once per server and rounds measure decode. The sides alternate within each
+round; best and median of --repeats rounds are reported.
 
     .venv/bin/python benchmarks/bench_speculation.py            # ~10 min on 2 CPUs
     .venv/bin/python benchmarks/bench_speculation.py --quick    # smoke run
+    .venv/bin/python benchmarks/bench_speculation.py --peer llama.cpp  # + (d); llama-server built once: common.py
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -24,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402
+    CACHE_DIR,
     QuietPolicy,
     Row,
     Server,
@@ -41,6 +49,7 @@ from common import (  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent.parent / "omlx" / "engine" / "solo.py"
 OLD, NEW = "_chunk_len", "next_chunk_length"  # defined and called in the file's first ~2,000 tokens
+LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 8"
 CHAT = "Tell me a short original story about a lighthouse keeper who finds a strange map. Use vivid details."
 
 
@@ -69,14 +78,22 @@ def main() -> None:
     ap.add_argument("--quiet-budget", type=float, default=300,
                     help="seconds to spend waiting for other processes to go idle (default 300)")  # fmt: skip
     ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--peer", choices=["llama.cpp"], help="also (d): llama-server with and without its speculation")
+    ap.add_argument("--llama-spec", action="append",
+                    help=f"llama-server speculation flags, repeatable: one server each (default: {LLAMA_SPEC!r})")
+    ap.add_argument("--gguf", help="the GGUF llama-server loads (default: Qwen2.5-Coder's, which oMLX imports)")
     args = ap.parse_args()
     if args.quick:
         args.edit_tokens, args.chat_tokens, args.repeats = 64, 32, 1
         args.quiet_budget = min(args.quiet_budget, 30)
     if args.model_path is None:
-        from tests.support.qwen_coder import qwen_coder_dir
+        from tests.support.qwen_coder import fetch_qwen_coder_gguf, qwen_coder_dir
 
         args.model_path = str(qwen_coder_dir())
+        if args.peer and not args.gguf:
+            args.gguf = str(fetch_qwen_coder_gguf(CACHE_DIR / "gguf" / "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"))
+    if args.peer and not args.gguf:
+        raise SystemExit("--peer with --model-path needs --gguf: the GGUF of the same model")
     model = prepare_model(args.model_path)
     info = header_info(sys.argv, model)
     edit = edit_prompt(model, args.file_tokens)
@@ -90,6 +107,15 @@ def main() -> None:
         "spec": Server("omlx", model, [*common, "--speculation", "--draft-max", str(args.draft_max)], "oMLX speculating"),
         "plain": Server("omlx", model, [*common, "--no-speculation"], "oMLX"),
     }
+    llama_specs = args.llama_spec or [LLAMA_SPEC]
+    if args.peer:
+        lcp = ["--ctx-size", str(args.file_tokens * 2 + 1024), "--parallel", "1"]
+        sides["llama"] = Server("llama_cpp", model, lcp, "llama-server", gguf=Path(args.gguf))
+        for i, flags in enumerate(llama_specs, 1):
+            sides[f"llama_spec{i}"] = Server("llama_cpp", model, [*lcp, *shlex.split(flags)], f"llama-server {flags}",
+                                             gguf=Path(args.gguf))  # fmt: skip
+        print(f"peer: {sides['llama'].command()[0]} on {args.gguf}, {' '.join(lcp)}; speculating with: "
+              + "; ".join(llama_specs))
     quiet = QuietPolicy(args.quiet_budget)
     noise: list[float] = []
     figures: dict[str, list[float]] = {f"{w}_{s}": [] for w in ("edit", "chat") for s in sides}
@@ -110,12 +136,12 @@ def main() -> None:
             one(name, "chat")
         for rnd in range(1, args.repeats + 1):
             for work in ("edit", "chat"):
-                for side in ("spec", "plain") if rnd % 2 else ("plain", "spec"):
+                for side in list(sides) if rnd % 2 else list(sides)[::-1]:
                     log(f"round {rnd}: {work}, {sides[side].label}")
                     tps, others = quiet.measure(lambda s=side, w=work: one(s, w), lambda s=side: [sides[s].pid])
                     noise.append(others)
                     figures[f"{work}_{side}"].append(tps)
-                    log(f"  decode {tps:.2f} tok/s")
+                    log(f"  decode {tps:.2f} tok/s (others used {others:.2f} cores)")
         logs = {name: server.log_path.read_text(errors="replace") for name, server in sides.items()}
     except BaseException:
         for server in sides.values():
@@ -138,9 +164,37 @@ def main() -> None:
     print(f"\nsame text on both sides, every round: edit {same['edit']}, chat {same['chat']}")
     drafted = [line.split("drafted=")[1] for line in logs["spec"].splitlines() if "drafted=" in line]
     print(f"speculating server's requests (drafted/accepted): {', '.join(d.replace(' accepted=', '/') for d in drafted)}")
+    if args.peer:
+        rows += peer_rows(best, median, sides, texts, logs)
     print(f"\nnoise: other processes used {mean(noise):.2f} cores on average (at most {max(noise):.2f}) "
           f"during the {len(noise)} measurements")  # fmt: skip
-    write_json(args.json, {**info, "figures": figures, "same_text": same, "rows": [r.as_dict() for r in rows]})
+    write_json(args.json, {**info, "figures": figures, "same_text": same, "rows": [r.as_dict() for r in rows],
+                           "texts": {k: sorted(v) for k, v in texts.items()}})  # fmt: skip
+
+
+def peer_rows(best: dict, median: dict, sides: dict, texts: dict, logs: dict) -> list[Row]:
+    """(d): print each llama-server speculation's speedup beside ours, and its figures; the rows."""
+    rows = []
+    for key in (k for k in sides if k.startswith("llama_spec")):
+        name = sides[key].label.removeprefix("llama-server ")
+        for work in ("edit", "chat"):
+            for how, agg in (("best", best), ("median", median)):
+                rows.append(Row(f"(d) {work} speedup, {how}", agg[f"{work}_spec"] / agg[f"{work}_plain"],
+                                agg[f"{work}_{key}"] / agg[f"{work}_llama"], "x", True, None, "llama-server"))  # fmt: skip
+            rows.append(Row(f"(d) {work} with speculation, best", best[f"{work}_spec"], best[f"{work}_{key}"], "tok/s",
+                            True, None, "llama-server"))  # fmt: skip
+        print_table(f"(d) speedup of speculation: oMLX vs llama-server {name}", rows[-6:])
+        same = {w: texts[f"{w}_{key}"] == texts[f"{w}_llama"] and len(texts[f"{w}_llama"]) == 1 for w in ("edit", "chat")}
+        acc = [line.split("draft acceptance = ")[1].strip() for line in logs[key].splitlines() if "draft acceptance = " in line]
+        distinct = ", ".join(f"{w} {len(texts[f'{w}_llama'])}/{len(texts[f'{w}_{key}'])}" for w in ("edit", "chat"))
+        print(f"\nllama-server {name}: same text as without, every round: edit {same['edit']}, chat {same['chat']} "
+              f"(distinct texts without/with: {distinct}); its requests' draft acceptance (one line per request that "
+              f"drafted, warm-up included): {'; '.join(acc) or 'none logged'}")  # fmt: skip
+    for work in ("edit", "chat"):
+        rows.append(Row(f"(d) {work} without speculation, best", best[f"{work}_plain"], best[f"{work}_llama"], "tok/s",
+                        True, None, "llama-server"))  # fmt: skip
+    print_table("(d) batch-1 decode without speculation: oMLX (float32) vs llama-server (the GGUF)", rows[-2:])
+    return rows
 
 
 if __name__ == "__main__":

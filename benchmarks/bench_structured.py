@@ -5,6 +5,13 @@ with the same requests unconstrained, on one server.
       — goal >= 0.9x;
   (b) batch-1 decode of one request held to a JSON schema vs the same request free — goal >= 0.9x.
 
+With --peer llama.cpp, instead: (c) the 20 JSON schemas of the integration tests
+(tests/support/structured_schemas.py, asked as the tests ask) sent one at a time through chat
+completions (`response_format` json_schema, greedy, max_tokens 150, EOS allowed) to oMLX and to
+llama.cpp's llama-server on the GGUF oMLX imports its model from: per side the validity rate
+(finish `stop`, parses, validates with `jsonschema` as the tests do) and the decode rate over the
+round (sum of each request's tokens after its first / sum of its first-to-last-token spans).
+
 Every output is fixed-length: greedy, end-of-sequence forbidden (logit_bias, on both sides), and
 the schema's one string must be longer than the output, so a constrained stream is never done
 before its token budget. The two sides alternate within each round; best and median of
@@ -12,29 +19,36 @@ before its token budget. The two sides alternate within each round; best and med
 
     .venv/bin/python benchmarks/bench_structured.py            # ~6 min on 2 CPUs
     .venv/bin/python benchmarks/bench_structured.py --quick    # smoke run
+    .venv/bin/python benchmarks/bench_structured.py --peer llama.cpp  # (c); llama-server built once: common.py
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (  # noqa: E402
+    PreparedModel,
     QuietPolicy,
     Row,
     Server,
+    StreamResult,
     header_info,
+    llama_server_path,
     log,
     machine_summary,
     mean,
     prepare_model,
     print_table,
     run,
+    smollm2_gguf,
     stream_many,
     text_of_tokens,
     warn_if_busy,
@@ -48,6 +62,106 @@ SCHEMA = {
     "required": ["title", "report"],
 }
 CONSTRAINED = {"response_format": {"type": "json_schema", "json_schema": {"name": "report", "schema": SCHEMA}}}
+PEER_MAX_TOKENS = 150  # as tests/integration/test_structured_output.py asks
+
+
+def valid(result: StreamResult, schema: dict) -> str:
+    """'' when the output is valid as the integration tests define it (finish stop, parses,
+    validates; string formats not asserted), else why not."""
+    import jsonschema
+
+    if result.finish != "stop":
+        return f"finish {result.finish!r}"
+    try:
+        jsonschema.validate(json.loads(result.text), schema)
+    except json.JSONDecodeError as e:
+        return f"does not parse ({e.msg})"
+    except jsonschema.ValidationError as e:
+        return f"invalid ({e.message[:60]})"
+    return ""
+
+
+def decode_rate(results: list[StreamResult]) -> float:
+    """Tokens after each request's first, over the sum of its first-to-last-token spans."""
+    span = sum(r.t_last - r.t_first for r in results)
+    return sum(max(0, r.completion_tokens - 1) for r in results) / span if span > 0 else float("nan")
+
+
+def peer_part(args: argparse.Namespace, model: PreparedModel, info: dict) -> None:
+    """(c): the tests' 20 schemas through oMLX and llama-server, side by side, sides alternating."""
+    from tests.support.structured_schemas import SCHEMAS
+
+    gguf = smollm2_gguf()
+    print(f"workload: (c) the 20 schemas of tests/support/structured_schemas.py, one request at a time, greedy, "
+          f"max_tokens {PEER_MAX_TOKENS}; {args.repeats} rounds; llama-server {llama_server_path()} on {gguf}")  # fmt: skip
+    sides = {
+        "oMLX": Server("omlx", model, ["--no-cache"]),
+        "llama.cpp": Server("llama_cpp", model, ["--ctx-size", "2048", "--parallel", "1"], gguf=gguf),
+    }
+    quiet = QuietPolicy(args.quiet_budget)
+    noise: list[float] = []
+    rounds: dict[str, list[list[StreamResult]]] = {name: [] for name in sides}
+
+    def ask(side: str, i: int, max_tokens: int = PEER_MAX_TOKENS) -> StreamResult:
+        prompt, schema = SCHEMAS[i]
+        fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+        messages = [{"role": "user", "content": prompt + " Answer in JSON."}]
+        (r,), _ = run(stream_many(sides[side], [messages], max_tokens, extras=[fmt]))
+        return r
+
+    try:
+        for name, server in sides.items():
+            log(f"starting {name}")
+            server.start()
+            ask(name, 0, 16)  # warm-up
+        for rnd in range(1, args.repeats + 1):
+            log(f"round {rnd}")
+            for name in sides:
+                rounds[name].append([])
+            for i in range(len(SCHEMAS)):
+                for name in list(sides) if (i + rnd) % 2 else list(sides)[::-1]:
+                    r, others = quiet.measure(lambda n=name, i=i: ask(n, i), Server.live_pids)
+                    noise.append(others)
+                    rounds[name][-1].append(r)
+            log(f"  others used {mean(noise[-2 * len(SCHEMAS):]):.2f} cores on average this round")
+    except BaseException:
+        for server in sides.values():
+            if server.proc is not None and server.proc.poll() is None:
+                log(f"{server.label} log tail:\n{server.log_tail()}")
+        raise
+    finally:
+        for server in sides.values():
+            server.cleanup()
+
+    why = {name: [[valid(r, SCHEMAS[i][1]) for i, r in enumerate(rs)] for rs in rounds[name]] for name in sides}
+    rate = {name: 100 * sum(not w for ws in why[name] for w in ws) / sum(len(ws) for ws in why[name]) for name in sides}
+    tps = {name: [decode_rate(rs) for rs in rounds[name]] for name in sides}
+    tokens = {name: [sum(r.completion_tokens for r in rs) for rs in rounds[name]] for name in sides}
+    o, p = "oMLX", "llama.cpp"
+    rows = [
+        Row("valid outputs (finish stop, parses, validates)", rate[o], rate[p], "%", True, None, "llama-server"),
+        Row("decode over the 20 requests, best", max(tps[o]), max(tps[p]), "tok/s", True, None, "llama-server"),
+        Row("decode over the 20 requests, median", statistics.median(tps[o]), statistics.median(tps[p]), "tok/s",
+            True, None, "llama-server"),
+        Row("completion tokens per round, median", statistics.median(tokens[o]), statistics.median(tokens[p]), "",
+            True, None, "llama-server"),
+        Row("prompt tokens, all requests of round 1", sum(r.prompt_tokens for r in rounds[o][0]),
+            sum(r.prompt_tokens for r in rounds[p][0]), "", True, None, "llama-server"),
+    ]  # fmt: skip
+    print_table("(c) the tests' 20 JSON schemas: oMLX (float32 from the GGUF) vs llama-server (the GGUF)", rows)
+    per_round = [mean(noise[k : k + 2 * len(SCHEMAS)]) for k in range(0, len(noise), 2 * len(SCHEMAS))]
+    print("\nrounds (decode tok/s): " + "; ".join(f"{n} {' / '.join(f'{t:.2f}' for t in tps[n])}" for n in sides)
+          + f"; others' cores, mean per round: {' / '.join(f'{x:.2f}' for x in per_round)}")  # fmt: skip
+    for name in sides:
+        bad = sorted({(i, w) for ws in why[name] for i, w in enumerate(ws) if w})
+        print(f"{name} invalid: " + (", ".join(f"#{i} {w}" for i, w in bad) or "none"))
+    same = {name: len({tuple(r.text for r in rs) for rs in rounds[name]}) == 1 for name in sides}
+    print(f"same text in every round: {', '.join(f'{n} {same[n]}' for n in sides)}")
+    print(f"\nnoise: other processes used {mean(noise):.2f} cores on average (at most {max(noise):.2f}) "
+          f"during the {len(noise)} measurements")  # fmt: skip
+    write_json(args.json, {**info, "validity": rate, "decode_tps": tps, "tokens": tokens, "invalid": why,
+                           "outputs": {n: [[r.text for r in rs] for rs in rounds[n]] for n in sides},
+                           "rows": [r.as_dict() for r in rows]})  # fmt: skip
 
 
 def main() -> None:
@@ -62,6 +176,7 @@ def main() -> None:
     ap.add_argument("--quiet-budget", type=float, default=300,
                     help="seconds to spend waiting for other processes to go idle (default 300)")  # fmt: skip
     ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--peer", choices=["llama.cpp"], help="run (c), the tests' 20 schemas against this peer, instead")
     args = ap.parse_args()
     if args.quick:
         args.stream_tokens, args.decode_tokens, args.repeats = 32, 32, 1
@@ -70,6 +185,9 @@ def main() -> None:
     model = prepare_model(args.model_path)
     info = header_info(sys.argv, model)
     print(f"# bench_structured — {info['date']}\n\nmachine: {machine_summary()}\nmodel: {model.path} (float32)")
+    if args.peer:
+        warn_if_busy()
+        return peer_part(args, model, info)
     print(f"workload: {args.streams} streams x {args.stream_tokens} tokens (half held to a JSON schema) vs all "
           f"free; batch-1 {args.decode_tokens} tokens held vs free; greedy, EOS forbidden; {args.repeats} rounds")  # fmt: skip
     warn_if_busy()

