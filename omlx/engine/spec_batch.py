@@ -7,7 +7,8 @@ longest prefix of its draft that matches the argmaxes and emits them plus one. T
 and the padding are rolled back per row with the cache's public methods: a uniform `trim` of what
 every row rejected, then `prepare(right_padding=...)` and `finalize()`, which roll each row right by
 its own rest so that those keys become its left padding (masked). Only greedy rows without logits
-processors, on models whose every layer is a plain `KVCache`, come here.
+processors, on models whose every layer is a plain `KVCache`, come here. How long the drafts verified
+may be is `VerifyCost`'s: a wider step pays only where it costs less than the tokens it adds.
 """
 
 from __future__ import annotations
@@ -22,24 +23,34 @@ from mlx_lm.models.cache import BatchKVCache
 from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, TokenOut
 from omlx.engine.step_clock import PERF, StepClock
+from omlx.engine.verify_cost import VerifyCost, acceptance
 
 
 @dataclass(eq=False)
 class SpecRow:
     """One row: `fed` are the tokens in its cache, `unfed` the sequence's last token (emitted, or
-    the prompt's last), fed by the next step; `lookup` holds `fed + [unfed]`."""
+    the prompt's last), fed by the next step; `lookup` holds `fed + [unfed]`; `kept` draft tokens
+    accepted here, `misses` drafts cut short by a rejection."""
 
     state: RequestState
     lookup: PromptLookup
     fed: list[int]
     unfed: int
+    kept: int = 0
+    misses: int = 0
 
 
 class SpecBatch:
-    """The rows the engine decodes itself with `model_of()`, the engine's current model (engine thread only)."""
+    """The rows the engine decodes itself with `model_of()`, the engine's current model, drafts as
+    long as `cost` allows (engine thread only)."""
 
     def __init__(
-        self, model_of: Callable[[], Any], eos_ids: Iterable[int], draft_max: int, clock: StepClock | None = None
+        self,
+        model_of: Callable[[], Any],
+        eos_ids: Iterable[int],
+        draft_max: int,
+        clock: StepClock | None = None,
+        cost: VerifyCost | None = None,
     ) -> None:
         self.model_of = model_of
         self.eos_ids = set(eos_ids)
@@ -49,6 +60,7 @@ class SpecBatch:
         self.cache: list[BatchKVCache] | None = None
         self.steps = 0  # forward passes made, and of them those that verified a draft
         self.verifies = 0
+        self.cost = cost or VerifyCost()
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -112,6 +124,8 @@ class SpecBatch:
         token, `max_tokens`); a finished row leaves, its cache and tokens on its last `TokenOut`."""
         assert self.cache is not None and self.rows
         drafts = [self._draft(row) for row in self.rows]
+        k = self.cost.cap([(acceptance(row.kept, row.misses), len(d)) for row, d in zip(self.rows, drafts, strict=True)])
+        drafts = [d[:k] for d in drafts]
         k = max(map(len, drafts))
         tic = PERF()
         rows = [[row.unfed, *d, *[row.unfed] * (k - len(d))] for row, d in zip(self.rows, drafts, strict=True)]
@@ -123,16 +137,18 @@ class SpecBatch:
         chosen = best.tolist()
         if self.clock is not None:
             self.clock.decode_step(built - tic, 0.0, PERF() - built)
-            self.clock.decoded_rows(len(self.rows))
+            self.clock.decoded_rows(len(self.rows), verified=k > 0)
         self.steps += 1
         self.verifies += k > 0
         kept = [_accepted(d, c) for d, c in zip(drafts, chosen, strict=True)]
         self._roll_back([k - a for a in kept])
+        self.cost.observe(len(self.rows), 1 + k, PERF() - tic)
         outs: list[TokenOut] = []
         done: list[int] = []
         for i, (row, draft, a) in enumerate(zip(self.rows, drafts, kept, strict=True)):
             if draft:
                 row.lookup.accepted(len(draft), a)
+                row.kept, row.misses = row.kept + a, row.misses + (a < len(draft))
                 row.state.drafted, row.state.accepted = row.lookup.drafted, row.lookup.kept
             emitted = chosen[i][: a + 1]
             before = len(row.fed)
@@ -183,6 +199,8 @@ class SpecBatch:
             if any(rest):
                 c.prepare(right_padding=rest)
                 c.finalize()
+        if any(rest):  # now, so that the step's time (`VerifyCost`) holds its cost
+            mx.eval([c.state for c in self.cache])
 
 
 def _accepted(draft: list[int], chosen: list[int]) -> int:

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from omlx.engine.request import GenerationRequest, SamplingParams
 from omlx.engine.request_state import RequestState
 from omlx.engine.spec_batch import SpecBatch
+from omlx.engine.verify_cost import VerifyCost
 
 N = 14  # tokens each row generates
 
@@ -73,6 +74,17 @@ class Scripted:
         self.kept += kept
 
 
+class Unpriced(VerifyCost):
+    """Every draft verified whole, whatever the steps cost."""
+
+    def cap(self, rows: list[tuple[float, int]]) -> int:
+        return max((n for _, n in rows), default=0)
+
+
+def spec_batch(model, eos_ids: list[int]) -> SpecBatch:
+    return SpecBatch(lambda: model, eos_ids, draft_max=8, cost=Unpriced())
+
+
 def state(rid: str, tokens: list[int], max_tokens: int = N) -> RequestState:
     s = RequestState(GenerationRequest(rid, tokens, max_tokens, SamplingParams(temperature=0.0)))
     s.spec_aside = None
@@ -92,7 +104,7 @@ def test_rows_with_and_without_drafts_roll_back_their_own_rejected_tokens(model)
     plans = [(7, 4, None), (3, 3, 0), (12, 5, 2), (5, 0, None), (9, 8, 5)]
     prompts = [prompt(i, n) for i, (n, _, _) in enumerate(plans)]
     truths = [alone(model, p, N + 1) for p in prompts]
-    batch = SpecBatch(lambda: model, [], draft_max=8)
+    batch = spec_batch(model, [])
     got: dict[str, list] = {}
     for i, (p, (_, length, wrong)) in enumerate(zip(prompts, plans, strict=True)):
         got[f"r{i}"] = []
@@ -129,7 +141,7 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_row_there(model) -> None
     p, q = prompt(1, 6), prompt(2, 10)
     truth_p, truth_q = alone(model, p, N)[0], alone(model, q, N)[0]
     stop_at = 5  # the row's sixth token ends it, in the middle of an accepted draft
-    batch = SpecBatch(lambda: model, [truth_p[stop_at]], draft_max=8)
+    batch = spec_batch(model, [truth_p[stop_at]])
     assert truth_p[stop_at] not in truth_p[:stop_at]
     batch.add(state("p", p), prefilled(model, p[:-1]), p[:-1], p[-1], Scripted(p, truth_p, 8, None))  # type: ignore[arg-type]
     batch.add(state("q", q), prefilled(model, q[:-1]), q[:-1], q[-1], Scripted(q, truth_q, 2, 1))  # type: ignore[arg-type]
@@ -143,7 +155,7 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_row_there(model) -> None
 def test_rows_join_and_leave_between_steps_and_go_on_alone_where_they_stopped(model) -> None:
     p, q, r = prompt(3, 8), prompt(4, 4), prompt(5, 11)
     truths = {k: alone(model, v, N)[0] for k, v in (("p", p), ("q", q), ("r", r))}
-    batch = SpecBatch(lambda: model, [], draft_max=8)
+    batch = spec_batch(model, [])
     states = {"p": state("p", p), "q": state("q", q), "r": state("r", r)}
     got: dict[str, list] = {"p": [], "q": [], "r": []}
     for key, tokens, length, wrong in (("p", p, 3, 1), ("q", q, 4, None)):
@@ -167,3 +179,42 @@ def test_rows_join_and_leave_between_steps_and_go_on_alone_where_they_stopped(mo
     run(batch, got)
     assert [o.token for o in got["q"]] == truths["q"]
     assert [o.token for o in got["r"]] == truths["r"]
+
+
+def test_drafts_are_verified_only_as_long_as_a_wider_step_pays() -> None:
+    cost = VerifyCost()
+    rows = [(0.8, 8)] * 4  # four rows drafting 8 tokens, 80 % accepted
+    assert cost.cap(rows) == 0  # a plain step is measured first
+    cost.observe(4, 1, 1.0)
+    assert cost.cap(rows) == 8  # then a wide one
+    cost.observe(4, 9, 9.0)  # each token more costs as much as the first: nothing pays
+    assert cost.cap(rows) == 0
+    flat = VerifyCost()
+    flat.observe(4, 1, 1.0)
+    flat.observe(4, 9, 1.4)  # 5 % more per token: the whole draft pays
+    assert flat.cap(rows) == 8
+    assert flat.cap([(0.2, 8)] * 4) in (1, 2)  # little accepted: short drafts
+    assert flat.cap([(0.8, 0)] * 4) == 0  # nothing drafted
+
+
+def test_plain_and_wide_steps_are_measured_again_as_the_batch_goes_on() -> None:
+    from omlx.engine.verify_cost import EXPLORE, REFRESH
+
+    cost = VerifyCost()
+    rows = [(0.9, 4)] * 2
+    cost.observe(2, 1, 1.0)
+    cost.observe(2, 5, 5.0)
+    caps = []
+    for _ in range(EXPLORE + 1):  # drafting does not pay: plain steps, then one wide again
+        caps.append(cost.cap(rows))
+        cost.observe(2, 1 + caps[-1], 1.0 + caps[-1])
+    assert caps[:-1] == [0] * EXPLORE and caps[-1] == 4
+    cheap = VerifyCost()
+    cheap.observe(2, 1, 1.0)
+    cheap.observe(2, 5, 1.1)
+    caps = []
+    for _ in range(REFRESH + 1):  # drafting pays: wide steps, and a plain one now and then
+        caps.append(cheap.cap(rows))
+        cheap.observe(2, 1 + caps[-1], 1.0 if caps[-1] == 0 else 1.1)
+    assert caps.count(0) == 1 and caps[-2] == 0
+    assert cheap.cap([(0.9, 4)] * 3) == 0  # another batch size is measured on its own
