@@ -113,7 +113,7 @@ class Speculation:
         mx.eval(best, rows)
         if seq.clock is not None:
             seq.clock.decode_step(built - tic, 0.0, waited + PERF() - built)
-            seq.clock.decoded_rows(1)
+            seq.clock.decoded_rows(1, verified=True)
         chosen = best.tolist()
         kept = 0
         while kept < len(draft) and draft[kept] == chosen[kept]:
