@@ -94,7 +94,7 @@ class Runner:
         self._failures_seen = 0  # `Guarded.failures` when last looked
         self.clock = StepClock()  # where decode steps spend their time (status: `step_times`)
         self.bg = self.new_batch_generator()
-        self.rows = SpecRoute(self, config.draft_max, eos_ids, budget.draft_tokens > 0 and not vision_admit.is_vision(self.model))
+        self.rows = SpecRoute(self, config.draft_max, eos_ids, budget.draft_tokens > 0 and config.batch_speculation, model_id)
 
     def run(self, plan: StepPlan) -> StepOut:
         """Run one planned step."""

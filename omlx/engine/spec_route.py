@@ -11,6 +11,7 @@ goes (the `BatchGenerator` has already computed the one after it, which is dropp
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 from mlx_lm.generate import BatchGenerator
@@ -19,6 +20,9 @@ from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, Status
 from omlx.engine.spec_batch import SpecBatch
 from omlx.engine.step_clock import StepClock
+from omlx.engine.vision_lm import VisionLM
+
+log = logging.getLogger("omlx.engine")
 
 
 class BatchHost(Protocol):
@@ -34,13 +38,15 @@ class BatchHost(Protocol):
 
 class SpecRoute:
     """The `SpecBatch` of one engine (drafts of up to `draft_max` tokens; `eos_ids` end a row) and the
-    moves in and out of it (`enabled`: speculation is on, the model's layers roll back, and it is not a
-    vision model, whose rows carry rope deltas)."""
+    moves in and out of it (`enabled`: batch rows speculate here and the model's layers roll back; a
+    vision model's rows, whose caches carry rope deltas, never do: logged once)."""
 
-    def __init__(self, host: BatchHost, draft_max: int, eos_ids: list[int], enabled: bool) -> None:
+    def __init__(self, host: BatchHost, draft_max: int, eos_ids: list[int], enabled: bool, model_id: str) -> None:
         self.host = host
         self.spec = SpecBatch(lambda: host.model, eos_ids, draft_max, host.clock)
-        self.enabled = enabled
+        self.enabled = enabled and not isinstance(host.model, VisionLM)
+        if enabled and not self.enabled:
+            log.info("model=%s: batch rows do not speculate (a vision model's rows carry rope deltas)", model_id)
 
     def may(self, state: RequestState) -> bool:
         """The row may decode in the `SpecBatch` (greedy, no processors or images: `spec_aside`)."""
