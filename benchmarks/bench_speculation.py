@@ -11,7 +11,7 @@ Greedy, the requests users send (no logit_bias); both servers keep a hot prefix 
 prompt is prefilled once per server and rounds measure decode. The two sides alternate within
 each round; best and median of --repeats rounds are reported.
 
-    .venv/bin/python benchmarks/bench_speculation.py            # ~10 min on 2 CPUs
+    .venv/bin/python benchmarks/bench_speculation.py            # ~30 min on 2 CPUs
     .venv/bin/python benchmarks/bench_speculation.py --quick    # smoke run
 """
 
@@ -97,8 +97,8 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=128, help="chat output measured, tokens (default 128)")
     ap.add_argument("--draft-max", type=int, default=8, help="--draft-max of the speculating server (default 8)")
     ap.add_argument("--streams", type=int, default=8, help="(c): concurrent edit streams (default 8, at most 8)")
-    ap.add_argument("--stream-file-tokens", type=int, default=1000, help="(c): tokens of source file per stream (default 1000)")
-    ap.add_argument("--stream-tokens", type=int, default=96, help="(c): output measured per stream, tokens (default 96)")
+    ap.add_argument("--stream-file-tokens", type=int, default=2000, help="(c): tokens of source file per stream (default 2000)")
+    ap.add_argument("--stream-tokens", type=int, default=128, help="(c): output measured per stream, tokens (default 128)")
     ap.add_argument("--only", default="abc", help="the workloads to run, e.g. 'c' or 'ab' (default abc)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds; best and median reported (default 2)")
     ap.add_argument("--quick", action="store_true", help="smoke run: shorter outputs, one round")
