@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from safetensors import TensorSpec, serialize
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -116,8 +117,49 @@ def write_format_3(tier: SSDTier, block: CacheBlock) -> Path:
     del meta["state_checksum"]
     path = tier.path_for(block.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(ssd_format.serialized(host.host, meta))
+    with open(path, "wb") as f:
+        ssd_format.write_block(f, host.host, meta)
     return path
+
+
+def test_block_files_are_the_bytes_safetensors_would_write(tmp_path: Path) -> None:
+    """`write_block` streams each tensor from its buffer (the GIL released) instead of building
+    the file in `safetensors.serialize`; the file must hold what that writes (its metadata comes
+    out in hash order, so the comparison is by parts), each tensor aligned to its element size."""
+    mixed = stateful_block(3)
+    mixed.tensors["0.keys"] = mixed.tensors["0.keys"].astype(mx.bfloat16)  # 2-byte alignment
+    mixed.tensors["1.arrays.0"] = mx.arange(21, dtype=mx.uint8).reshape(1, 3, 7)  # 1-byte, odd size
+    for block in (mixed, stateful_block(4, tokens=5)):
+        host = HostBlock.of(block, copy=False)
+        meta = ssd_format.block_metadata(host)
+        specs = {
+            name: TensorSpec(dtype=dt, shape=list(shape), data_ptr=data.ctypes.data, data_len=data.nbytes)
+            for name, (dt, shape, data) in host.host.items()
+        }
+        path = tmp_path / "block.safetensors"
+        with open(path, "wb") as f:
+            ssd_format.write_block(f, host.host, meta)
+        ours, theirs = path.read_bytes(), serialize(specs, meta)
+        assert len(ours) == len(theirs)
+        parts = []
+        for raw in (ours, theirs):
+            (n,) = struct.unpack("<Q", raw[:8])
+            assert n % 8 == 0
+            head = json.loads(raw[8 : 8 + n])
+            data = {
+                name: (info["dtype"], info["shape"], raw[8 + n + info["data_offsets"][0] : 8 + n + info["data_offsets"][1]])
+                for name, info in head.items()
+                if name != "__metadata__"
+            }
+            parts.append((head["__metadata__"], data))
+            for name, info in head.items():
+                if name != "__metadata__":
+                    size = 2 if info["dtype"] in ("BF16", "F16") else 1 if info["dtype"] == "U8" else 4
+                    assert info["data_offsets"][0] % size == 0, (name, info)
+        assert parts[0] == parts[1] and parts[0][0] == meta
+        loaded, _ = ssd_format.load_block(path, block.key, block.fingerprint)
+        assert loaded.host.keys() == host.host.keys()
+        assert all(loaded.host[n][:2] == t[:2] and (loaded.host[n][2] == t[2]).all() for n, t in host.host.items())
 
 
 def test_format_3_files_still_load_whole_and_by_part(tmp_path: Path) -> None:

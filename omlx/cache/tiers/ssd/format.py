@@ -10,10 +10,9 @@ import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
-from safetensors import TensorSpec, serialize
 
 from omlx.cache.block.block import (
     HostBlock,
@@ -202,13 +201,17 @@ def _span(info: Mapping[str, Any]) -> slice:
     return slice(start, stop)
 
 
+def _itemsize(dt: str) -> int:
+    return np.dtype("uint16" if dt == "bfloat16" else dt).itemsize
+
+
 def _tensor(name: str, info: Mapping[str, Any], data: np.ndarray) -> tuple[str, tuple[int, ...], np.ndarray]:
     """A tensor's host entry from its header `info` and bytes, checked against its shape."""
     dt = _ST_DTYPES.get(info.get("dtype"))
     shape = info.get("shape")
     if dt is None or not isinstance(shape, list):
         raise CorruptBlockFile(f"bad dtype or shape for {name!r}")
-    if data.nbytes != int(np.prod(shape, dtype=np.int64)) * np.dtype("uint16" if dt == "bfloat16" else dt).itemsize:
+    if data.nbytes != int(np.prod(shape, dtype=np.int64)) * _itemsize(dt):
         raise CorruptBlockFile(f"size of {name!r} does not match its shape")
     return dt, tuple(int(d) for d in shape), data
 
@@ -238,10 +241,23 @@ def _read_parts(f: Any, base: int, entries: Mapping[str, Any]) -> HostTensors:
     return host
 
 
-def serialized(host: HostTensors, metadata: dict[str, str]) -> bytes:
-    """A block file's bytes: its tensors and `metadata` in safetensors form."""
-    specs = {
-        name: TensorSpec(dtype=dt, shape=list(shape), data_ptr=data.ctypes.data, data_len=data.nbytes)
-        for name, (dt, shape, data) in host.items()
-    }  # `host` keeps the buffers alive for the call
-    return serialize(specs, metadata)
+_DTYPE_CODES = {name: code for code, name in _ST_DTYPES.items()}
+
+
+def write_block(f: BinaryIO, host: HostTensors, metadata: dict[str, str]) -> None:
+    """Write a block file to `f`: what `safetensors.serialize` would build (tensors by element
+    size, then name), each tensor written from its own buffer so the GIL is let go during the
+    write, never held for a whole block (docs/design/write-back.md)."""
+    order = sorted(host, key=lambda n: (-_itemsize(host[n][0]), n))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    at = 0
+    for name in order:
+        dt, shape, data = host[name]
+        header[name] = {"dtype": _DTYPE_CODES[dt], "shape": list(shape), "data_offsets": [at, at + data.nbytes]}
+        at += data.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(struct.pack("<Q", len(raw)) + raw)
+    for name in order:
+        data = host[name][2]
+        f.write(memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)))

@@ -34,7 +34,7 @@ from omlx.cache.tiers.ssd.format import (
     is_key,
     load_block,
     read_header,
-    serialized,
+    write_block,
 )
 from omlx.cache.tiers.ssd.index import SSDIndex
 from omlx.cache.tiers.ssd.reads import ReadPools, TimedRead
@@ -286,9 +286,8 @@ class SSDTier:
 
     def _write_file(self, path: Path, host: HostTensors, metadata: dict[str, str]) -> None:
         """Write and fsync one temp file. Tests replace this on the instance to fake I/O errors."""
-        data = serialized(host, metadata)
         with open(path, "wb") as f:  # Python I/O, so a full disk is a plain OSError(ENOSPC)
-            f.write(data)
+            write_block(f, host, metadata)
             f.flush()
             os.fsync(f.fileno())
 
