@@ -11,7 +11,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from safetensors import TensorSpec, serialize
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -20,6 +19,7 @@ from mlx_lm.models.cache import (
     QuantizedKVCache,
     RotatingKVCache,
 )
+from safetensors import TensorSpec, serialize
 
 from omlx.cache.block.block import CacheBlock, HostBlock, checksum_host
 from omlx.cache.block.kinds import cache_kinds, flatten, regroup
