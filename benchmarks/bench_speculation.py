@@ -3,7 +3,9 @@ servers on the same weights (Qwen2.5-Coder-0.5B-Instruct in float32 by default).
 
   (a) edit: a ~2,000-token source file and "return the file with function X renamed to Y";
       batch-1 decode tok/s with vs without — goal >= 2.0x, and the same tokens on both sides;
-  (b) free-form chat (nothing to copy): batch-1 decode tok/s with vs without — goal >= 0.95x.
+  (b) free-form chat (nothing to copy): batch-1 decode tok/s with vs without — goal >= 0.95x;
+  (c) 8 concurrent edit streams (eight source files, a function renamed in each): aggregate decode
+      tok/s with vs without — goal >= 1.0x, and the same tokens on both sides.
 
 With --peer llama.cpp, also (d): llama.cpp's llama-server on the GGUF oMLX imports the model
 from, without speculation and with each --llama-spec set of its n-gram speculation flags (default:
@@ -14,7 +16,7 @@ Greedy, the requests users send (no logit_bias); every server keeps a hot prefix
 prompt is prefilled once per server and rounds measure decode. The sides alternate within each
 round; best and median of --repeats rounds are reported.
 
-    .venv/bin/python benchmarks/bench_speculation.py            # ~10 min on 2 CPUs
+    .venv/bin/python benchmarks/bench_speculation.py            # ~30 min on 2 CPUs
     .venv/bin/python benchmarks/bench_speculation.py --quick    # smoke run
     .venv/bin/python benchmarks/bench_speculation.py --peer llama.cpp  # + (d); llama-server built once: common.py
 """
@@ -22,10 +24,13 @@ round; best and median of --repeats rounds are reported.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import statistics
 import sys
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -53,17 +58,44 @@ LLAMA_SPEC = "--spec-type ngram-simple --spec-ngram-simple-size-n 4 --spec-ngram
 CHAT = "Tell me a short original story about a lighthouse keeper who finds a strange map. Use vivid details."
 
 
-def edit_prompt(model, tokens: int) -> list[dict[str, str]]:
-    """The source file cut at a line boundary near `tokens` tokens, and the rename asked for."""
-    lines, kept = SOURCE.read_text().splitlines(keepends=True), []
+def cut_source(model, path: Path, tokens: int) -> str:
+    """The file cut at a line boundary near `tokens` tokens."""
+    lines, kept = path.read_text().splitlines(keepends=True), []
     for line in lines:
         if model.count_tokens("".join(kept + [line])) > tokens:
             break
         kept.append(line)
-    code = "".join(kept)
+    return "".join(kept)
+
+
+def edit_prompt(model, tokens: int) -> list[dict[str, str]]:
+    """The source file cut near `tokens` tokens, and the rename asked for."""
+    code = cut_source(model, SOURCE, tokens)
     assert OLD in code
     ask = f"Return this whole file with the function `{OLD}` renamed to `{NEW}` (its definition and every call). Reply with the code only."
     return [{"role": "user", "content": f"```python\n{code}```\n\n{ask}"}]
+
+
+STREAM_SOURCES = ["solo.py", "grammar.py", "vision_lm.py", "graph_warmup.py", "output.py", "sampling.py",
+                  "bridge.py", "store_queue.py"]  # fmt: skip
+
+
+def stream_prompts(model, tokens: int, streams: int) -> list[list[dict[str, str]]]:
+    """(c): one edit per stream, a file of omlx/engine cut near `tokens` tokens with its first
+    function (defined in the cut) renamed."""
+    out = []
+    for name in STREAM_SOURCES[:streams]:
+        code = cut_source(model, SOURCE.parent / name, tokens)
+        old = next(m.group(1) for m in re.finditer(r"^\s*def (\w+)\(", code, re.M) if not m.group(1).startswith("__"))
+        ask = f"Return this whole file with the function `{old}` renamed to `{old}_v2` (its definition and every call). Reply with the code only."
+        out.append([{"role": "user", "content": f"```python\n{code}```\n\n{ask}"}])
+    return out
+
+
+def step_times(server: Server) -> dict:
+    """The server's decode-step counters for the model (`/v1/models/status`)."""
+    data = httpx.get(server.base_url + "/v1/models/status", timeout=30).json()["data"]
+    return next(m for m in data if m["id"] == server.request_model)["step_times"] or {}
 
 
 def main() -> None:
@@ -73,6 +105,10 @@ def main() -> None:
     ap.add_argument("--edit-tokens", type=int, default=256, help="edit output measured, tokens (default 256)")
     ap.add_argument("--chat-tokens", type=int, default=128, help="chat output measured, tokens (default 128)")
     ap.add_argument("--draft-max", type=int, default=8, help="--draft-max of the speculating server (default 8)")
+    ap.add_argument("--streams", type=int, default=8, help="(c): concurrent edit streams (default 8, at most 8)")
+    ap.add_argument("--stream-file-tokens", type=int, default=2000, help="(c): tokens of source file per stream (default 2000)")
+    ap.add_argument("--stream-tokens", type=int, default=128, help="(c): output measured per stream, tokens (default 128)")
+    ap.add_argument("--only", default="abc", help="the workloads to run, e.g. 'c' or 'ab' (default abc)")
     ap.add_argument("--repeats", type=int, default=2, help="rounds; best and median reported (default 2)")
     ap.add_argument("--quick", action="store_true", help="smoke run: shorter outputs, one round")
     ap.add_argument("--quiet-budget", type=float, default=300,
@@ -84,7 +120,7 @@ def main() -> None:
     ap.add_argument("--gguf", help="the GGUF llama-server loads (default: Qwen2.5-Coder's, which oMLX imports)")
     args = ap.parse_args()
     if args.quick:
-        args.edit_tokens, args.chat_tokens, args.repeats = 64, 32, 1
+        args.edit_tokens, args.chat_tokens, args.stream_tokens, args.repeats = 64, 32, 24, 1
         args.quiet_budget = min(args.quiet_budget, 30)
     if args.model_path is None:
         from tests.support.qwen_coder import fetch_qwen_coder_gguf, qwen_coder_dir
@@ -98,9 +134,13 @@ def main() -> None:
     info = header_info(sys.argv, model)
     edit = edit_prompt(model, args.file_tokens)
     chat = [{"role": "user", "content": CHAT}]
+    streams = stream_prompts(model, args.stream_file_tokens, min(args.streams, len(STREAM_SOURCES)))
+    works = [w for key, w in (("a", "edit"), ("b", "chat"), ("c", "streams")) if key in args.only]
     print(f"# bench_speculation — {info['date']}\n\nmachine: {machine_summary()}\nmodel: {model.path} (float32)")
     print(f"workload: (a) edit, {model.count_tokens(edit[0]['content'])}-token prompt, {args.edit_tokens} tokens out; "
-          f"(b) chat, {args.chat_tokens} tokens out; batch 1, greedy; draft max {args.draft_max}; {args.repeats} rounds")  # fmt: skip
+          f"(b) chat, {args.chat_tokens} tokens out; batch 1, greedy; (c) {len(streams)} streams of "
+          f"~{args.stream_file_tokens}-token files, {args.stream_tokens} tokens out each; draft max {args.draft_max}; "
+          f"{args.repeats} rounds; workloads: {', '.join(works)}")  # fmt: skip
     warn_if_busy()
     common = ["--hot-cache-only"]
     sides = {
@@ -118,25 +158,40 @@ def main() -> None:
               + "; ".join(llama_specs))
     quiet = QuietPolicy(args.quiet_budget)
     noise: list[float] = []
-    figures: dict[str, list[float]] = {f"{w}_{s}": [] for w in ("edit", "chat") for s in sides}
-    texts: dict[str, set[str]] = {f"{w}_{s}": set() for w in ("edit", "chat") for s in sides}
+    figures: dict[str, list[float]] = {f"{w}_{s}": [] for w in works for s in sides}
+    texts: dict[str, set[str]] = {f"{w}_{s}": set() for w in works for s in sides}
+    shares: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}  # (c): rows per step, tokens per row
 
     def one(side: str, work: str) -> float:
+        if work == "streams":
+            return together(side)
         messages, n = (edit, args.edit_tokens) if work == "edit" else (chat, args.chat_tokens)
         (r,), _ = run(stream_many(sides[side], [messages], n))
         texts[f"{work}_{side}"].add(r.text)
         return r.decode_tps
 
+    def together(side: str) -> float:
+        """(c): aggregate decode tok/s, all streams' tokens over their first token to their last."""
+        before = step_times(sides[side])
+        rs, _ = run(stream_many(sides[side], streams, args.stream_tokens))
+        after = step_times(sides[side])
+        loops, rows = after["loops"] - before["loops"], after["rows"] - before["rows"]
+        shares[side].append((rows / max(1, loops), (after["tokens"] - before["tokens"]) / max(1, rows)))
+        texts[f"streams_{side}"].add("\x00".join(r.text for r in rs))
+        span = max(r.t_last for r in rs) - min(r.t_first for r in rs)
+        return sum(r.completion_tokens for r in rs) / span if span > 0 else 0.0
+
     try:
         for name, server in sides.items():
             log(f"starting {server.label}")
             server.start()
-            log(f"  prefilling both prompts once (BLAS: {server.blas()})")
-            one(name, "edit")
-            one(name, "chat")
+            log(f"  prefilling the prompts once (BLAS: {server.blas()})")
+            for work in works if name in ("spec", "plain") else ("edit", "chat"):
+                one(name, work)
         for rnd in range(1, args.repeats + 1):
-            for work in ("edit", "chat"):
-                for side in list(sides) if rnd % 2 else list(sides)[::-1]:
+            for work in works:
+                order = [s for s in sides if work != "streams" or s in ("spec", "plain")]  # (c): oMLX only
+                for side in order if rnd % 2 else order[::-1]:
                     log(f"round {rnd}: {work}, {sides[side].label}")
                     tps, others = quiet.measure(lambda s=side, w=work: one(s, w), lambda s=side: [sides[s].pid])
                     noise.append(others)
@@ -152,16 +207,22 @@ def main() -> None:
         for server in sides.values():
             server.cleanup()
 
-    best = {k: max(v) for k, v in figures.items()}
-    median = {k: statistics.median(v) for k, v in figures.items()}
+    best = {k: max(v) for k, v in figures.items() if v}
+    median = {k: statistics.median(v) for k, v in figures.items() if v}
     rows = []
-    for label, work, goal in (("a", "edit", 2.0), ("b", "chat", 0.95)):
-        for how, agg in (("best", best), ("median", median)):
-            rows.append(Row(f"({label}) {work} batch-1 decode, {how}", agg[f"{work}_spec"], agg[f"{work}_plain"],
-                            "tok/s", True, goal, "no speculation"))  # fmt: skip
-    print_table("batch-1 decode with vs without speculation", rows)
-    same = {work: texts[f"{work}_spec"] == texts[f"{work}_plain"] and len(texts[f"{work}_spec"]) == 1 for work in ("edit", "chat")}
-    print(f"\nsame text on both sides, every round: edit {same['edit']}, chat {same['chat']}")
+    names = {"edit": "(a) edit batch-1 decode", "chat": "(b) chat batch-1 decode",
+             "streams": f"(c) {len(streams)} edit streams, aggregate decode"}  # fmt: skip
+    for work, goal in (("edit", 2.0), ("chat", 0.95), ("streams", 1.0)):
+        for how, agg in (("best", best), ("median", median)) if work in works else ():
+            rows.append(Row(f"{names[work]}, {how}", agg[f"{work}_spec"], agg[f"{work}_plain"], "tok/s", True, goal,
+                            "no speculation"))  # fmt: skip
+    print_table("decode with vs without speculation", rows)
+    same = {work: texts[f"{work}_spec"] == texts[f"{work}_plain"] and len(texts[f"{work}_spec"]) == 1 for work in works}
+    print(f"\nsame text on both sides, every round: {', '.join(f'{w} {v}' for w, v in same.items())}")
+    for side, got in shares.items():
+        if got:
+            print(f"(c) {sides[side].label}: rows per decode step {', '.join(f'{r:.2f}' for r, _ in got)}; "
+                  f"tokens per row and step {', '.join(f'{t:.2f}' for _, t in got)}")  # fmt: skip
     drafted = [line.split("drafted=")[1] for line in logs["spec"].splitlines() if "drafted=" in line]
     print(f"speculating server's requests (drafted/accepted): {', '.join(d.replace(' accepted=', '/') for d in drafted)}")
     if args.peer:

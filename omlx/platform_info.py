@@ -101,6 +101,13 @@ def discrete_gpu() -> bool:
     return mx.default_device().type == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
+def cpu_device() -> bool:
+    """The default device is the CPU (no GPU backend in use)."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.cpu
+
+
 def gpu_memory_bytes() -> int | None:
     """Total memory of the default device when it is a GPU (device memory on CUDA,
     unified memory on Apple silicon); None on a CPU."""

@@ -3,14 +3,15 @@
 On a CUDA GPU (`discrete_gpu()`) the engine prefills newcomers itself, tracks the attention
 shapes it has built graphs for, warms those graphs up while idle, and empties MLX's buffer
 cache of what other threads freed (docs/design/prefill-grid.md, graph-warmup.md); elsewhere
-none of that pays. Pure Python.
+none of that pays. Batch rows speculate on a CPU only, where it was measured (speculation.md,
+"Inside the batch"). Pure Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omlx.platform_info import discrete_gpu
+from omlx.platform_info import cpu_device, discrete_gpu
 
 # A request alone in the engine is prefilled in chunks of at least this many tokens where the
 # engine prefills (a CUDA GPU), as raw mlx-lm does (docs/design/solo-path.md, "Solo chunks").
@@ -36,6 +37,7 @@ class EngineConfig:
     prefill_quantum: int | None = None  # asked for (None: chosen by `prefill_grid`)
     speculation: bool = True  # prompt-lookup drafts verified in one pass (docs/design/speculation.md)
     draft_max: int = 8  # the longest draft
+    batch_speculation: bool = True  # greedy batch rows speculate too, not only a request alone
 
     @classmethod
     def resolve(
@@ -53,6 +55,7 @@ class EngineConfig:
         idle_empties_cache: bool | None = None,
         speculation: bool = True,
         draft_max: int = 8,
+        batch_speculation: bool | None = None,
     ) -> EngineConfig:
         """The settings given, with every None resolved for this device."""
         gpu = discrete_gpu()
@@ -72,6 +75,7 @@ class EngineConfig:
             prefill_quantum=prefill_quantum,
             speculation=speculation and draft_max > 0,
             draft_max=max(0, draft_max),
+            batch_speculation=speculation and draft_max > 0 and (cpu_device() if batch_speculation is None else batch_speculation),
         )
 
     @property

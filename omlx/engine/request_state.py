@@ -68,6 +68,7 @@ class RequestState:
     solo: Any = None  # its SoloSequence while it runs outside the BatchGenerator
     rope_delta: int = 0  # a vision prompt's M-RoPE delta (engine/vision_lm.py), which its cache carries
     spec: Any = None  # its `Speculation` while it decodes solo and speculates
+    spec_aside: str | None = "off"  # why it does not speculate (None: it may), set when it is inserted
     drafted: int = 0  # draft tokens verified for it, and accepted (speculation.md)
     accepted: int = 0
     captures: Any = None  # a stateful model's layer-state snapshots (`Captures`), for its stores

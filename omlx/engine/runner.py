@@ -49,7 +49,8 @@ from omlx.engine.solo import (
     plain_kv,
     sdpa_graph_capacity,
 )
-from omlx.engine.speculation import speculation_for
+from omlx.engine.spec_route import SpecRoute
+from omlx.engine.speculation import request_aside, speculation_for
 from omlx.engine.step_clock import StepClock, TimedForward
 from omlx.engine.stop_strings import StopStringMatcher
 from omlx.engine.store_queue import StoreQueue
@@ -85,7 +86,7 @@ class Runner:
         self.on_restored = on_restored  # a read-ahead's background reads are over
         # the prefill chunks' attention shapes this thread has built graphs for (`onto_built_shapes`)
         self.shapes = PrefillShapes(sdpa_graph_capacity()) if config.track_shapes else None
-        self.prompts = PromptStores(cache, lambda: self.bg, model_id)  # its stores into the prefix cache
+        self.prompts = PromptStores(cache, lambda s: self.rows.extract(s), model_id)  # its stores into the prefix cache
         self.stores = StoreQueue(self.prompts.store)
         self.batch: dict[int, RequestState] = {}  # BatchGenerator uid -> its request
         self.graph_warmup: GraphWarmup | None = None
@@ -93,14 +94,17 @@ class Runner:
         self._failures_seen = 0  # `Guarded.failures` when last looked
         self.clock = StepClock()  # where decode steps spend their time (status: `step_times`)
         self.bg = self.new_batch_generator()
+        self.rows = SpecRoute(self, config.draft_max, eos_ids, budget.draft_tokens > 0 and config.batch_speculation, model_id)
 
     def run(self, plan: StepPlan) -> StepOut:
         """Run one planned step."""
         if plan.solo is not None:
             return StepOut(tokens=self.solo_step(plan.solo))
         joined = self.prefill_newcomers(plan.prefill) if plan.prefill else []
+        drafted = self.rows.spec.step() if self.rows.spec else []
         ended, tokens = self.batch_step(plan.single)
-        return StepOut(tokens, joined, ended)
+        self.rows.route([out.state for out in tokens if out.finish_reason is None])
+        return StepOut(drafted + tokens, joined, ended)
 
     # ----- the batch ---------------------------------------------------------------
     def new_batch_generator(self) -> BatchGenerator:
@@ -119,9 +123,10 @@ class Runner:
         """After a failed step: a new BatchGenerator, nothing pending."""
         self.bg = self.new_batch_generator()
         self.batch.clear()
+        self.rows.spec.clear()
         self.stores.clear()
 
-    def _batch_insert(self, state: RequestState, todo: list[int], cache: Any, fed: list[int], max_tokens: int) -> None:
+    def batch_insert(self, state: RequestState, todo: list[int], cache: Any, fed: list[int], max_tokens: int) -> None:
         if vision_admit.is_vision(self.model):
             cache = vision_admit.batch_cache(self.model, cache, state)
         state.uid = self.bg.insert(
@@ -159,6 +164,7 @@ class Runner:
                 if self.prompts.wants_prompt_blocks(state):
                     ended.append(state)
         outs = []
+        self.clock.decoded_rows(len(generation_responses))
         for r in generation_responses:
             state = self._live(r.uid)
             if state is None:
@@ -174,17 +180,14 @@ class Runner:
         return state if state is not None and state.status is not Status.FINISHED else None
 
     def drop(self, state: RequestState) -> None:
-        """Stop computing a sequence that ends before its generator says so."""
-        if self.batch.get(state.uid) is state:  # else it runs outside the batch, or no more
-            self.bg.remove([state.uid])
-            del self.batch[state.uid]
+        """Stop computing a sequence that ends before its generator says so (a solo one: nothing to do)."""
+        self.rows.drop(state)
 
     def pause(self, state: RequestState) -> None:
         """Take a decoding sequence out of the batch; its cache goes to the prefix cache."""
-        found = self.bg.remove([state.uid], return_prompt_caches=True).get(state.uid)
-        self.batch.pop(state.uid, None)
+        found = self.rows.take_out(state)
         if found is not None:
-            tokens = list(found[1])
+            tokens = found[1]
             states = state.captures.with_end(found[0], len(tokens)) if state.captures is not None else None
             self.stores.add_pending(tokens, found[0], self.prompts.store(tokens, found[0], final=True, boundary_states=states), states)
             self.cache.yield_memory((state.prompt_len + state.completion_tokens) * self.budget.bytes_per_token)
@@ -301,7 +304,7 @@ class Runner:
             kind = Admission.SOLO if alone else Admission.PREFILL
             state.spec = speculation_for(state, self.config, self.eos_ids) if alone else state.spec
         else:
-            self._batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
+            self.batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH
         state.pending.prompt_logprobs = prompt_logprobs
         return Admitted(kind)
@@ -337,6 +340,7 @@ class Runner:
             state.processors.append(Guarded(req.constraint.processor(state.prompt_len), unchanged))
         state.stop_sequences = stop_seqs
         state.captures = Captures(self.cache.blocks, state.prompt_len, cached) if self.stateful else None
+        state.spec_aside = request_aside(state, self.budget.draft_tokens > 0)
 
     def _resume(self, state: RequestState) -> None:
         """Insert a paused sequence again: its prompt and the tokens it generated, as far as
@@ -351,7 +355,7 @@ class Runner:
         if self.stateful:  # the rest goes through the BatchGenerator: only decode's boundaries are captured
             state.captures = Captures(self.cache.blocks, len(tokens), len(tokens))
         left = state.request.max_tokens - state.completion_tokens
-        self._batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
+        self.batch_insert(state, tokens[cached:], cache if cached else None, tokens[:cached], left)
 
     # ----- sequences outside the batch -----------------------------------------------
     def solo_step(self, state: RequestState) -> list[TokenOut]:
@@ -403,10 +407,11 @@ class Runner:
         state.solo.step_size = self.config.prefill_step_size
 
     def join_batch(self, state: RequestState, unfed: int | None = None) -> None:
-        """Insert a sequence decoding or prefilling on its own into the BatchGenerator."""
+        """Insert a sequence decoding or prefilling on its own into the batch (spec_route.py)."""
         todo, cache, fed = state.solo.handoff(unfed)
         state.solo = None
-        self._batch_insert(state, todo, cache, fed, state.request.max_tokens - state.completion_tokens)
+        if not self.rows.join(state, todo, cache, fed, state.spec.lookup if state.spec is not None else None):
+            self.batch_insert(state, todo, cache, fed, state.request.max_tokens - state.completion_tokens)
 
     def prefill_newcomers(self, group: list[RequestState]) -> list[RequestState]:
         """A prompt chunk for each of `group` (chunks of one shape in one forward pass), waited
@@ -486,12 +491,7 @@ class Runner:
     def clear_buffers_if_dirty(self, others_busy: bool) -> None:
         """Idle: empty MLX's buffer cache of what steps left, or of what other threads freed
         into it where asked (buffers.py says why), unless another engine is busy."""
-        foreign = (
-            self.config.idle_empties_cache
-            and self.graph_warmup is None
-            and mx.get_cache_memory() > 0
-            and not others_busy
-        )
+        foreign = self.config.idle_empties_cache and self.graph_warmup is None and mx.get_cache_memory() > 0 and not others_busy
         if self.buffers_dirty or foreign:
             self.buffers_dirty = False
             mx.clear_cache()

@@ -16,12 +16,14 @@ log = logging.getLogger("omlx.engine")
 
 
 class PromptStores:
-    """One engine's stores into its prefix `cache`; `batch()` is the runner's current `BatchGenerator`
-    (a row's cache is extracted from it), `model_id` names the model in logs."""
+    """One engine's stores into its prefix `cache`; `extract(state)` copies a running batch row's
+    cache and the tokens in it (None: not running), `model_id` names the model in logs."""
 
-    def __init__(self, cache: PrefixCacheInterface, batch: Callable[[], Any], model_id: str) -> None:
+    def __init__(
+        self, cache: PrefixCacheInterface, extract: Callable[[RequestState], tuple[list[Any], list[int]] | None], model_id: str
+    ) -> None:
         self.cache = cache
-        self.batch = batch
+        self.extract = extract
         self.model_id = model_id
         self.stateful = cache.blocks.captures_states
 
@@ -37,7 +39,7 @@ class PromptStores:
             return 0
 
     def store_batch_prompt(self, state: RequestState) -> None:
-        cache_and_tokens = self.batch().extract_cache([state.uid]).get(state.uid)
+        cache_and_tokens = self.extract(state)
         if cache_and_tokens is not None:
             # the prompt alone: its unfinished last block must be keyed by prompt tokens only,
             # so the same prompt finds it again (also after a restart)
@@ -89,7 +91,7 @@ class PromptStores:
     def capture_row(self, state: RequestState, length: int) -> None:
         """A stateful batch row's state, taken when it holds `length` tokens, a block multiple."""
         if state.captures is not None and self.cache.blocks.at_boundary(length):
-            found = self.batch().extract_cache([state.uid]).get(state.uid)
+            found = self.extract(state)
             if found is not None:
                 state.captures.take(found[0], length)
 

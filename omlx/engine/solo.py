@@ -255,6 +255,7 @@ class SoloSequence:
         value = token.item()
         if self.clock is not None:
             self.clock.decode_step(built - tic, launched - built, PERF() - launched)
+            self.clock.decoded_rows(1)
         if launch:
             self.fed.append(value)
             self._crossed()

@@ -55,15 +55,22 @@ def model_speculates(model: Any, model_id: str) -> bool:
     return False
 
 
-def speculation_for(state: RequestState, config: EngineConfig, eos_ids: list[int]) -> Speculation | None:
-    """The solo request's speculation, unless it steps aside (logged with the reason)."""
+def request_aside(state: RequestState, enabled: bool) -> str | None:
+    """Why an inserted request does not speculate (None: it does), logged once (`enabled`: speculation
+    is on and the model's cache kinds roll back, `model_speculates`)."""
     req = state.request
-    why = step_aside(config.speculation, state.sampler is None, state.processors, req.constraint is not None,
-                     state.solo.cache, images=req.vision is not None)  # fmt: skip
-    if why is None:
-        return Speculation(req.prompt_tokens, config.draft_max, {*eos_ids, *req.stop_token_ids})
-    if why != "off":
+    why = step_aside(enabled, state.sampler is None, state.processors, req.constraint is not None, [],
+                     images=req.vision is not None)  # fmt: skip
+    if why is not None and why != "off":
         log.debug("request=%s does not speculate: %s", state.id, why)
+    return why
+
+
+def speculation_for(state: RequestState, config: EngineConfig, eos_ids: list[int]) -> Speculation | None:
+    """The solo request's speculation, unless it steps aside (`state.spec_aside`, or its cache)."""
+    req = state.request
+    if state.spec_aside is None and plain_kv(state.solo.cache):
+        return Speculation(req.prompt_tokens, config.draft_max, {*eos_ids, *req.stop_token_ids})
     return None
 
 
@@ -106,6 +113,7 @@ class Speculation:
         mx.eval(best, rows)
         if seq.clock is not None:
             seq.clock.decode_step(built - tic, 0.0, waited + PERF() - built)
+            seq.clock.decoded_rows(1, verified=True)
         chosen = best.tolist()
         kept = 0
         while kept < len(draft) and draft[kept] == chosen[kept]:
@@ -147,4 +155,4 @@ class Speculation:
         seq.pending = None
 
 
-__all__ = ["Speculation", "model_speculates", "speculation_for", "step_aside"]
+__all__ = ["Speculation", "model_speculates", "request_aside", "speculation_for", "step_aside"]

@@ -22,6 +22,10 @@ class StepClock:
         self.totals: dict[str, float] = dict.fromkeys(PARTS, 0.0)
         self.loops = 0
         self.tokens = 0
+        self.rows = 0  # sequences the counted loops decoded, summed: rows / loops is the mean batch
+        self.verify_loops = 0  # counted loops whose step verified drafts, and the rows of those steps
+        self.verify_rows = 0
+        self._rows = self._verify_rows = 0
         self.engine_tid: int | None = None
         self._parts = dict.fromkeys(PARTS[:4], 0.0)
         self._prefilled = False
@@ -34,6 +38,7 @@ class StepClock:
         for name in parts:
             parts[name] = 0.0
         self._prefilled = False
+        self._rows = self._verify_rows = 0
         self._started = PERF()
 
     def add(self, part: str, seconds: float) -> None:
@@ -45,6 +50,12 @@ class StepClock:
         parts["graph_build"] += build
         parts["launch"] += launch
         parts["device_wait"] += wait
+
+    def decoded_rows(self, rows: int, verified: bool = False) -> None:
+        """This loop decoded `rows` sequences in one step (a solo step: 1); `verified`: drafts among them."""
+        self._rows += rows
+        if verified:
+            self._verify_rows += rows
 
     def begin_batch_step(self) -> None:
         self._built_at, self._step_tic = self._parts["graph_build"], PERF()
@@ -70,6 +81,9 @@ class StepClock:
         self.totals["host"] += max(0.0, wall - sum(parts.values()))
         self.loops += 1
         self.tokens += tokens
+        self.rows += self._rows
+        self.verify_rows += self._verify_rows
+        self.verify_loops += self._verify_rows > 0
 
     def snapshot(self) -> dict[str, Any]:
         """The totals and both threads' CPU seconds so far (the caller's thread is taken for the
@@ -78,6 +92,9 @@ class StepClock:
         return {
             "loops": self.loops,
             "tokens": self.tokens,
+            "rows": self.rows,
+            "verify_loops": self.verify_loops,
+            "verify_rows": self.verify_rows,
             **{f"{name}_s": round(seconds, 6) for name, seconds in self.totals.items()},
             "engine_cpu_s": cpu.get(self.engine_tid) if self.engine_tid is not None else None,
             "event_loop_cpu_s": cpu.get(threading.get_native_id()),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -156,3 +157,50 @@ def test_a_models_own_setting_turns_speculation_off_at_its_next_load(servers):
     before = spec_counters(spec)
     ask(spec, COUNT, max_tokens=40)
     assert spec_counters(spec)[0] > before[0]
+
+
+def step_counts(server: ServerProcess) -> dict:
+    """The model's decode-step counters (`step_times` in /v1/models/status)."""
+    data = httpx.get(server.base_url + "/v1/models/status", timeout=30).json()["data"]
+    return next(m for m in data if m["id"] == SMOL)["step_times"]
+
+
+LETTERS = "Write the letters of the alphabet from A to Z, one per line, each followed by a dot."
+LIST = "Repeat this list twice: red, green, blue, yellow, purple, orange."
+
+
+def test_batch_rows_verify_their_drafts_in_shared_steps_and_answer_as_without_speculation(servers):
+    """Rows with and without drafts decode side by side; each verified its own draft and rolled back
+    its own rejected tokens, so each answers as the plain server answers it alone."""
+    spec, plain = servers
+    prompts = [*PROMPTS, LETTERS, LIST]
+    want = {p: ask(plain, p)[:2] for p in prompts}
+    before = step_counts(spec)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = dict(zip(prompts, pool.map(lambda p: ask(spec, p)[:2], prompts), strict=True))
+    after = step_counts(spec)
+    assert got == want
+    d = {k: after[k] - before[k] for k in ("loops", "rows", "verify_loops", "verify_rows")}
+    assert d["rows"] / d["loops"] >= 2, d  # the requests shared decode steps (some answers are short)
+    assert d["verify_loops"] >= 3 and d["verify_rows"] / d["verify_loops"] >= 2, d  # drafts verified in shared steps
+
+
+def test_a_sampled_row_joining_the_batch_leaves_the_greedy_rows_answers_unchanged(servers):
+    """A sampled request (which does not speculate) arriving mid-way sends the rows decoding with
+    drafts back to mlx-lm's batch until it ends; the greedy rows answer as they do alone."""
+    spec, plain = servers
+    greedy = [CODE, FRUIT, LETTERS]
+    want = {p: ask(plain, p)[:2] for p in greedy}
+
+    def sampled() -> int:
+        time.sleep(3.0)  # the greedy rows decode together first
+        r = client(spec).chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": COUNT}], temperature=0.8, seed=5, max_tokens=12
+        )
+        return r.usage.completion_tokens
+
+    with ThreadPoolExecutor(len(greedy) + 1) as pool:
+        late = pool.submit(sampled)
+        got = dict(zip(greedy, pool.map(lambda p: ask(spec, p)[:2], greedy), strict=True))
+        assert late.result() > 0
+    assert got == want
