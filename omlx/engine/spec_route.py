@@ -75,13 +75,18 @@ class SpecRoute:
                 left = row.state.request.max_tokens - row.state.completion_tokens
                 self.host.batch_insert(row.state, [unfed], cache, fed, left)
             return
-        for state in decoded:
-            if state.status is Status.FINISHED or (found := self.take_out(state)) is None:
-                continue
-            cache, tokens = found
+        moving = [s for s in decoded if s.status is not Status.FINISHED and self.host.batch.get(s.uid) is s]
+        if not moving:
+            return
+        found = self.host.bg.remove([s.uid for s in moving], return_prompt_caches=True)
+        joining = []
+        for state in moving:
+            del self.host.batch[state.uid]
+            cache, tokens = found[state.uid][0], list(found[state.uid][1])
             for c in cache:  # the `BatchGenerator` fed the last token: it is fed again here
                 c.trim(1)
-            self.spec.add(state, cache, tokens[:-1], tokens[-1])
+            joining.append((state, cache, tokens[:-1], tokens[-1], None))
+        self.spec.add_rows(joining)
 
     def take_out(self, state: RequestState) -> tuple[list[Any], list[int]] | None:
         """Take a running row out of wherever it decodes: its cache and the tokens in it."""
