@@ -70,6 +70,9 @@ class SpecRoute:
         if not self.enabled:
             return
         if not self.open():
+            if self.spec.rows and log.isEnabledFor(logging.DEBUG):
+                other = next(s for s in self.host.batch.values() if not self.may(s))
+                log.debug("%d batch rows stop drafting: request=%s cannot speculate (%s)", len(self.spec), other.id, other.spec_aside)
             for row in list(self.spec.rows):
                 cache, fed, unfed = self.spec.remove(row.state) or ([], [], 0)
                 left = row.state.request.max_tokens - row.state.completion_tokens
@@ -87,6 +90,7 @@ class SpecRoute:
                 c.trim(1)
             joining.append((state, cache, tokens[:-1], tokens[-1], None))
         self.spec.add_rows(joining)
+        log.debug("%d batch rows move to the SpecBatch (%d rows there)", len(joining), len(self.spec))
 
     def take_out(self, state: RequestState) -> tuple[list[Any], list[int]] | None:
         """Take a running row out of wherever it decodes: its cache and the tokens in it."""
