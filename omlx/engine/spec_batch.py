@@ -71,19 +71,27 @@ class SpecBatch:
     def add(self, state: RequestState, cache: list[Any], fed: list[int], unfed: int, lookup: PromptLookup | None = None) -> None:
         """A row joins with its plain `KVCache` layers holding `fed` (not empty) and `unfed` to feed;
         `lookup` carries a solo speculation's drafts state, else one is made from the sequence."""
-        assert fed and cache[0].offset == len(fed), "a row joins with its cache holding exactly `fed`"
-        sequence = [*fed, unfed]
-        if lookup is None:
-            lookup = PromptLookup(sequence, self.draft_max)
-        elif len(lookup.tokens) < len(sequence):
-            lookup.extend(sequence[len(lookup.tokens) :])
-        merged = [BatchKVCache.merge([c]) for c in cache]
+        self.add_rows([(state, cache, fed, unfed, lookup)])
+
+    def add_rows(self, joining: list[tuple[RequestState, list[Any], list[int], int, PromptLookup | None]]) -> None:
+        """Rows join as `add`'s, their caches merged into the batch's at once (one copy of it)."""
+        if not joining:
+            return
+        for state, cache, fed, unfed, lookup in joining:
+            assert fed and cache[0].offset == len(fed), "a row joins with its cache holding exactly `fed`"
+            sequence = [*fed, unfed]
+            if lookup is None:
+                lookup = PromptLookup(sequence, self.draft_max)
+            elif len(lookup.tokens) < len(sequence):
+                lookup.extend(sequence[len(lookup.tokens) :])
+            self.rows.append(SpecRow(state, lookup, list(fed), unfed))
+        layers = zip(*(cache for _, cache, _, _, _ in joining), strict=True)
+        merged = [BatchKVCache.merge(list(layer)) for layer in layers]
         if self.cache is None:
             self.cache = merged
         else:
             for mine, new in zip(self.cache, merged, strict=True):
                 mine.extend(new)
-        self.rows.append(SpecRow(state, lookup, list(fed), unfed))
 
     def extract(self, state: RequestState) -> tuple[list[Any], list[int]] | None:
         """A copy of the row's cache (plain `KVCache` layers) and the tokens in it; None if not here."""

@@ -70,18 +70,27 @@ class SpecRoute:
         if not self.enabled:
             return
         if not self.open():
+            if self.spec.rows and log.isEnabledFor(logging.DEBUG):
+                other = next(s for s in self.host.batch.values() if not self.may(s))
+                log.debug("%d batch rows stop drafting: request=%s cannot speculate (%s)", len(self.spec), other.id, other.spec_aside)
             for row in list(self.spec.rows):
                 cache, fed, unfed = self.spec.remove(row.state) or ([], [], 0)
                 left = row.state.request.max_tokens - row.state.completion_tokens
                 self.host.batch_insert(row.state, [unfed], cache, fed, left)
             return
-        for state in decoded:
-            if state.status is Status.FINISHED or (found := self.take_out(state)) is None:
-                continue
-            cache, tokens = found
+        moving = [s for s in decoded if s.status is not Status.FINISHED and self.host.batch.get(s.uid) is s]
+        if not moving:
+            return
+        found = self.host.bg.remove([s.uid for s in moving], return_prompt_caches=True)
+        joining = []
+        for state in moving:
+            del self.host.batch[state.uid]
+            cache, tokens = found[state.uid][0], list(found[state.uid][1])
             for c in cache:  # the `BatchGenerator` fed the last token: it is fed again here
                 c.trim(1)
-            self.spec.add(state, cache, tokens[:-1], tokens[-1])
+            joining.append((state, cache, tokens[:-1], tokens[-1], None))
+        self.spec.add_rows(joining)
+        log.debug("%d batch rows move to the SpecBatch (%d rows there)", len(joining), len(self.spec))
 
     def take_out(self, state: RequestState) -> tuple[list[Any], list[int]] | None:
         """Take a running row out of wherever it decodes: its cache and the tokens in it."""

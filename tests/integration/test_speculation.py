@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -36,7 +36,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("spec-models")
     provision_default_model(root)
     homes = [tmp_path_factory.mktemp("spec-home"), tmp_path_factory.mktemp("plain-home")]
-    spec = ServerProcess(homes[0], ["--model-dir", str(root), "--model", SMOL, "--hot-cache-only", "--draft-max", "8"])
+    spec = ServerProcess(homes[0], ["--model-dir", str(root), "--model", SMOL, "--hot-cache-only", "--draft-max", "8",
+                                    "--log-level", "debug"])  # fmt: skip
     plain = ServerProcess(homes[1], ["--model-dir", str(root), "--model", SMOL, "--no-cache", "--no-speculation"])
     spec.start()
     plain.start()
@@ -187,20 +188,40 @@ def test_batch_rows_verify_their_drafts_in_shared_steps_and_answer_as_without_sp
 
 def test_a_sampled_row_joining_the_batch_leaves_the_greedy_rows_answers_unchanged(servers):
     """A sampled request (which does not speculate) arriving mid-way sends the rows decoding with
-    drafts back to mlx-lm's batch until it ends; the greedy rows answer as they do alone."""
+    drafts back to mlx-lm's batch until it ends, then they draft again; the greedy rows answer as
+    they do alone."""
     spec, plain = servers
-    greedy = [CODE, FRUIT, LETTERS]
+    greedy = [COUNT, LETTERS, LIST]
     want = {p: ask(plain, p)[:2] for p in greedy}
+    seen = len(spec.log_path.read_text(errors="replace"))
+    started = threading.Event()
+
+    def streamed(prompt: str) -> tuple[str, list[str]]:
+        """The greedy answer, streamed; `started` once it is well under way."""
+        text, tokens = "", []
+        for chunk in client(spec).chat.completions.create(
+            model=SMOL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=80,
+            logprobs=True, stream=True,
+        ):  # fmt: skip
+            if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+                text += chunk.choices[0].delta.content or ""
+                tokens += [t.token for t in chunk.choices[0].logprobs.content]
+                if len(tokens) >= 12:
+                    started.set()
+        return text, tokens
 
     def sampled() -> int:
-        time.sleep(3.0)  # the greedy rows decode together first
+        assert started.wait(120)
         r = client(spec).chat.completions.create(
-            model=SMOL, messages=[{"role": "user", "content": COUNT}], temperature=0.8, seed=5, max_tokens=12
+            model=SMOL, messages=[{"role": "user", "content": CODE}], temperature=0.8, seed=5, max_tokens=8
         )
         return r.usage.completion_tokens
 
     with ThreadPoolExecutor(len(greedy) + 1) as pool:
         late = pool.submit(sampled)
-        got = dict(zip(greedy, pool.map(lambda p: ask(spec, p)[:2], greedy), strict=True))
+        got = dict(zip(greedy, pool.map(streamed, greedy), strict=True))
         assert late.result() > 0
     assert got == want
+    after = spec.log_path.read_text(errors="replace")[seen:]
+    back = after.find("batch rows stop drafting")  # the sampled row sent them back
+    assert back >= 0 and "batch rows move to the SpecBatch" in after[back:]  # and they returned

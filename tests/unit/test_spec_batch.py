@@ -218,3 +218,16 @@ def test_plain_and_wide_steps_are_measured_again_as_the_batch_goes_on() -> None:
         cheap.observe(2, 1 + caps[-1], 1.0 if caps[-1] == 0 else 1.1)
     assert caps.count(0) == 1 and caps[-2] == 0
     assert cheap.cap([(0.9, 4)] * 3) == 0  # another batch size is measured on its own
+
+
+def test_rows_joining_together_decode_as_each_alone(model) -> None:
+    prompts = [prompt(6, 5), prompt(7, 13), prompt(8, 9)]
+    truths = [alone(model, p, N)[0] for p in prompts]
+    batch = spec_batch(model, [])
+    batch.add_rows([
+        (state(f"j{i}", p), prefilled(model, p[:-1]), p[:-1], p[-1], Scripted(p, truths[i], 3, i - 1 if i else None))
+        for i, p in enumerate(prompts)
+    ])  # type: ignore[misc]
+    got: dict[str, list] = {f"j{i}": [] for i in range(3)}
+    run(batch, got)
+    assert [[o.token for o in got[f"j{i}"]] for i in range(3)] == truths
