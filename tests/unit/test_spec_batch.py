@@ -26,7 +26,9 @@ def model(tiny_model_dir: Path):
 
 
 def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 31 + i * 17) % 500 + 3 for i in range(n)]
+    """Token ids inside the tiny model's vocabulary (408 ids: one past it reads outside the
+    embedding table, whatever memory lies there)."""
+    return [(seed * 31 + i * 17) % 400 + 3 for i in range(n)]
 
 
 def alone(model, tokens: list[int], n: int) -> tuple[list[int], list[mx.array]]:
@@ -66,7 +68,7 @@ class Scripted:
         at = len(self.tokens) - self.prompt_len  # the truth index of the token after the unfed one
         draft = self.truth[at : at + min(limit, self.length)]
         if self.wrong is not None and self.wrong < len(draft):
-            draft[self.wrong] = (draft[self.wrong] + 1) % 500 + 3
+            draft[self.wrong] = (draft[self.wrong] + 1) % 400 + 3
         return draft
 
     def accepted(self, drafted: int, kept: int) -> None:
@@ -231,3 +233,62 @@ def test_rows_joining_together_decode_as_each_alone(model) -> None:
     got: dict[str, list] = {f"j{i}": [] for i in range(3)}
     run(batch, got)
     assert [[o.token for o in got[f"j{i}"]] for i in range(3)] == truths
+
+
+SAMPLED_ROWS = 1000  # samples per side: a draft accepted always (or never) moves the counts far past the bound
+SAMPLED_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory: pytest.TempPathFactory):
+    """A narrower tiny Llama: many rows sampled at little cost."""
+    from mlx_lm import load
+
+    from tests.support.tiny_model import build_tiny_llama
+
+    return load(str(build_tiny_llama(tmp_path_factory.mktemp("narrow") / "m", hidden=64, layers=2, heads=2, kv_heads=1)))[0]
+
+
+def test_sampled_rows_accept_drafts_by_rejection_sampling_and_keep_the_distribution(narrow) -> None:
+    """Rows sampled at temperature 0.7 with drafts of the greedy continuation (accepted often, not
+    always): per output position, the tokens' frequencies match rows decoded one token a step
+    with the same sampler, by a chi-square test of homogeneity at p > 0.001 (identical
+    distributions fail it once in a thousand runs; the PRNG is seeded, so the test is repeatable)."""
+    from scipy.stats import chi2_contingency
+
+    from omlx.engine.sampling import build_sampler
+
+    params = SamplingParams(temperature=0.7)
+    p = prompt(0, 7)
+    truth, _ = alone(narrow, p, SAMPLED_TOKENS + 8)
+    mx.random.seed(1)
+    cache = make_prompt_cache(narrow)  # one token a step, every row the same prompt: a plain batch
+    logits = narrow(mx.array([p] * SAMPLED_ROWS), cache=cache)[:, -1]
+    sampler, plain = build_sampler(params), []
+    for _ in range(SAMPLED_TOKENS):
+        plain.append(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
+        logits = narrow(plain[-1][:, None], cache=cache)[:, -1]
+    want = mx.stack(plain, axis=1).tolist()
+
+    batch, rows, cache = spec_batch(narrow, []), [], prefilled(narrow, p[:-1])
+    for i in range(SAMPLED_ROWS):  # they share one sampler, as unseeded requests with one parameter set do
+        s = RequestState(GenerationRequest(f"r{i}", p, SAMPLED_TOKENS, params))
+        s.spec_aside, s.sampler = None, sampler
+        rows.append((s, cache, p[:-1], p[-1], Scripted(p, truth, 4, None)))  # the batch merges copies
+    batch.add_rows(rows)  # type: ignore[arg-type]
+    got: dict[str, list] = {s.id: [] for s, *_ in rows}
+    run(batch, got)
+    drawn = [[o.token for o in got[s.id]] for s, *_ in rows]
+    lookups = [lookup for *_, lookup in rows]
+    drafted, kept = sum(lk.drafted for lk in lookups), sum(lk.kept for lk in lookups)
+    assert 0.2 < kept / drafted < 0.9, (drafted, kept)  # drafts both accepted and rejected
+    for at in range(SAMPLED_TOKENS):
+        counts: dict[int, list[int]] = {}
+        for side, seqs in enumerate((want, drawn)):
+            for seq in seqs:
+                counts.setdefault(seq[at], [0, 0])[side] += 1
+        table = [c for c in counts.values() if sum(c) >= 10]
+        rare = [sum(c[side] for c in counts.values() if sum(c) < 10) for side in (0, 1)]
+        if sum(rare):
+            table.append(rare)
+        assert chi2_contingency(table).pvalue > 1e-3, (at, counts)
