@@ -37,6 +37,7 @@ from omlx.engine.sampling import (
     build_sampler,
     clear_faults,
     fault,
+    position_at,
     unchanged,
 )
 from omlx.engine.scheduler import Admission, Admitted
@@ -129,6 +130,7 @@ class Runner:
     def batch_insert(self, state: RequestState, todo: list[int], cache: Any, fed: list[int], max_tokens: int) -> None:
         if vision_admit.is_vision(self.model):
             cache = vision_admit.batch_cache(self.model, cache, state)
+        position_at(state.sampler, state.completion_tokens)  # the next token it samples
         state.uid = self.bg.insert(
             [todo],
             max_tokens=[max_tokens],
@@ -415,12 +417,19 @@ class Runner:
 
     def prefill_newcomers(self, group: list[RequestState]) -> list[RequestState]:
         """A prompt chunk for each of `group` (chunks of one shape in one forward pass), waited
-        for together; those left with only their last token join the batch and are returned."""
+        for together and paced so that the step takes about `TARGET_CHUNK_S` (a cancel or the
+        batch's next token waits for one step); those left with only their last token join the
+        batch and are returned."""
         self.clock.prefilled()
+        tic, before = time.perf_counter(), [len(state.solo.fed) for state in group]
         fed = feed_chunks_together([state.solo for state in group])
         ready = [state for state, done in zip(group, fed, strict=True) if done]
         for state in group:
             state.solo.wait()
+        seconds = time.perf_counter() - tic
+        for state, was in zip(group, before, strict=True):  # the step's chunks together take about the target
+            solo = state.solo
+            solo.step_size = paced_step(solo.step_size, self.config.prefill_step_size, len(solo.fed) - was, seconds, solo.quantum)
         trim_buffer_cache()
         for state in ready:
             self.join_batch(state)
