@@ -100,7 +100,7 @@ SETTINGS: tuple[Setting, ...] = (
         "speculation",
         bool,
         True,
-        "Prompt-lookup speculative decoding: a greedy request drafts up to --draft-max tokens from n-grams of its own prompt and output and verifies them in one forward pass, alone or (on a CPU) with the other batch rows' drafts in the same pass, as long as the wider pass pays (requests without logits processors or images, on models with only full-attention layers; output unchanged); a request whose drafts are mostly rejected stops drafting for a while. A model's own `speculation` setting overrides it.",
+        "Prompt-lookup speculative decoding: a request (greedy or sampled) drafts up to --draft-max tokens from n-grams of its own prompt and output and verifies them in one forward pass, alone or (on a CPU) with the other batch rows' drafts in the same pass, as long as the wider pass pays (requests without logits processors or images, on models with only full-attention layers; output unchanged); a request whose drafts are mostly rejected stops drafting for a while. A model's own `speculation` setting overrides it.",
         summary="Prompt-lookup speculation (--no-speculation: off)",
     ),
     Setting(

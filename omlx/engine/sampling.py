@@ -3,8 +3,9 @@
 Greedy requests get `None`, so BatchGenerator samples the whole batch with one call;
 unseeded requests with the same parameters on one engine thread share one sampler object,
 for the same reason (sequences with different samplers are sampled one by one: per step, a
-top-p sort over the vocabulary per sequence); a seeded request carries its own PRNG key so
-the same seed gives the same output whatever else shares the batch.
+top-p sort over the vocabulary per sequence); a seeded request draws each output position with
+a key of its own (`SeededSampler`), so the same seed gives the same output whatever else shares
+the batch and however speculation groups its tokens.
 
 Every sampler and processor is `Guarded`: mlx-lm's filters are compiled with MLX's global
 random state as an input and output, so one that raised while being traced left that state
@@ -87,17 +88,47 @@ def build_sampler(p: SamplingParams) -> Guarded | None:
         return None
     if p.seed is None:
         return _shared_sampler(p.temperature, p.top_p, p.min_p, p.top_k, threading.get_ident())
-    methods = _filters(p)
-    inv_temp = 1.0 / p.temperature
-    state = {"key": mx.random.key(p.seed)}
+    return Guarded(SeededSampler(p), _argmax)
 
-    def seeded(logprobs: mx.array) -> mx.array:
-        for method in methods:
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads seeds apart before a position is added
+
+
+class SeededSampler:
+    """A seeded request's sampler: the token at output position t is drawn with a key of its
+    own, made from the seed and t, so a seed gives the same tokens however the steps group them:
+    one token a step, a verified draft's rows at once, rows moved between batches. Each call
+    samples its rows at consecutive positions from `at`, which then moves past them; whoever
+    keeps fewer tokens than it sampled (a rejected draft) sets `at` again."""
+
+    def __init__(self, p: SamplingParams) -> None:
+        self.seed = p.seed or 0
+        self.methods = _filters(p)
+        self.inv_temp = 1.0 / p.temperature
+        self.at = 0  # the output position of the next token sampled
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for method in self.methods:
             logprobs = method(logprobs)
-        state["key"], sub = mx.random.split(state["key"])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        rows = logprobs.reshape(-1, logprobs.shape[-1]) * self.inv_temp
+        tokens = [mx.random.categorical(rows[i], key=self._key(self.at + i)) for i in range(rows.shape[0])]
+        self.at += rows.shape[0]
+        return mx.stack(tokens).reshape(logprobs.shape[:-1])
 
-    return Guarded(seeded, _argmax)
+    def _key(self, position: int) -> mx.array:
+        return mx.random.key((self.seed * _GOLDEN + position) % (1 << 64))
+
+
+def shared(sampler: Any) -> bool:
+    """Whether `sampler` draws its rows independently of who they belong to (not seeded)."""
+    return not isinstance(getattr(sampler, "fn", None), SeededSampler)
+
+
+def position_at(sampler: Any, position: int) -> None:
+    """The next token `sampler` draws is the output's `position`-th (seeded samplers only)."""
+    seeded = getattr(sampler, "fn", None)
+    if isinstance(seeded, SeededSampler):
+        seeded.at = position
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,17 +3,19 @@ forward pass (engine thread; docs/design/speculation.md, "Inside the batch").
 
 `SpecBatch` holds rows as mlx-lm's left-padded `BatchKVCache` layers. Each step feeds every row its
 unfed token and its own draft, right-padded to the longest (shape B x (1 + k)); a row accepts the
-longest prefix of its draft that matches the argmaxes and emits them plus one. The rejected tokens
+longest prefix of its draft that matches the tokens its rows chose (argmaxes, or draws with the
+request's own sampler: rejection sampling, speculation.py) and emits them plus one. The rejected tokens
 and the padding are rolled back per row with the cache's public methods: a uniform `trim` of what
 every row rejected, then `prepare(right_padding=...)` and `finalize()`, which roll each row right by
-its own rest so that those keys become its left padding (masked). Only greedy rows without logits
-processors, on models whose every layer is a plain `KVCache`, come here. How long the drafts verified
+its own rest so that those keys become its left padding (masked). Only rows without logits
+processors, constraints or images, on models whose every layer is a plain `KVCache`, come here. How long the drafts verified
 may be is `VerifyCost`'s: a wider step pays only where it costs less than the tokens it adds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ from mlx_lm.models.cache import BatchKVCache
 
 from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, TokenOut
+from omlx.engine.sampling import position_at, shared
 from omlx.engine.step_clock import PERF, StepClock
 from omlx.engine.verify_cost import VerifyCost, acceptance
 
@@ -140,9 +143,12 @@ class SpecBatch:
         logits = self.model_of()(mx.array(rows), cache=self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         best = mx.argmax(logprobs, axis=-1)
+        drawn = self._drawn(logprobs, [1 + len(d) for d in drafts])
         built = PERF()
-        mx.eval(best, logprobs)
+        mx.eval(best, logprobs, *drawn.values())
         chosen = best.tolist()
+        for i, tokens in drawn.items():
+            chosen[i] = tokens.tolist()
         if self.clock is not None:
             self.clock.decode_step(built - tic, 0.0, PERF() - built)
             self.clock.decoded_rows(len(self.rows), verified=k > 0)
@@ -159,6 +165,7 @@ class SpecBatch:
                 row.kept, row.misses = row.kept + a, row.misses + (a < len(draft))
                 row.state.drafted, row.state.accepted = row.lookup.drafted, row.lookup.kept
             emitted = chosen[i][: a + 1]
+            position_at(row.state.sampler, row.state.completion_tokens + a + 1)
             before = len(row.fed)
             row.fed += [row.unfed, *draft[:a]]
             row.unfed = emitted[-1]
@@ -178,6 +185,26 @@ class SpecBatch:
         if done:
             self._keep([i for i in range(len(self.rows)) if i not in done])
         return outs
+
+    def _drawn(self, logprobs: mx.array, widths: list[int]) -> dict[int, mx.array]:
+        """The sampled rows' tokens for their first `widths[i]` verify rows, each drawn as a
+        one-token step would draw it: a seeded sampler at the row's next output positions, a
+        shared one (unseeded, same parameters) once for all its rows' verify rows together."""
+        groups: dict[int, list[int]] = {}
+        for i, row in enumerate(self.rows):
+            if row.state.sampler is not None:
+                position_at(row.state.sampler, row.state.completion_tokens)
+                groups.setdefault(id(row.state.sampler), []).append(i)
+        drawn: dict[int, mx.array] = {}
+        for members in groups.values():
+            sampler = self.rows[members[0]].state.sampler
+            if len(members) == 1 or not shared(sampler):
+                drawn.update((i, self.rows[i].state.sampler(logprobs[i, : widths[i]])) for i in members)
+                continue
+            tokens = sampler(mx.concatenate([logprobs[i, : widths[i]] for i in members]))
+            ends = list(accumulate(widths[i] for i in members))
+            drawn.update((i, tokens[end - widths[i] : end]) for i, end in zip(members, ends, strict=True))
+        return drawn
 
     def _draft(self, row: SpecRow) -> list[int]:
         """The row's draft: never past `max_tokens` (it emits at most one token more than it drafts)."""

@@ -3,7 +3,7 @@ engine's `SpecBatch` (drafts verified in one pass), and the moves between them (
 docs/design/speculation.md, "Inside the batch").
 
 Rows that may speculate (`may`) decode in the `SpecBatch` while every row of the `BatchGenerator`
-may too, so a step is one decode forward pass either way; a row that may not (sampled, logits
+may too, so a step is one decode forward pass either way; a row that may not (logits
 processors, constrained, images) sends the `SpecBatch`'s rows back to the `BatchGenerator` until
 it is gone. A row moves with its cache and the tokens in it; its last token is fed again where it
 goes (the `BatchGenerator` has already computed the one after it, which is dropped).
@@ -49,7 +49,7 @@ class SpecRoute:
             log.info("model=%s: batch rows do not speculate (a vision model's rows carry rope deltas)", model_id)
 
     def may(self, state: RequestState) -> bool:
-        """The row may decode in the `SpecBatch` (greedy, no processors or images: `spec_aside`)."""
+        """The row may decode in the `SpecBatch` (no processors, constraint or images: `spec_aside`)."""
         return self.enabled and state.spec_aside is None
 
     def open(self) -> bool:

@@ -2,10 +2,14 @@
 (`PromptLookup`) verified in one forward pass, the rejected tokens trimmed from the cache
 (engine thread; docs/design/speculation.md).
 
-Only greedy requests without logits processors or images, on models whose every layer is a plain
-`KVCache`, speculate; the others step aside (`step_aside` names why). The verify computes the
-same argmax the one-token step would, so the output is unchanged but for float near-ties
-between a (1 + k)-row and a 1-row forward pass.
+Requests without logits processors, constraints or images, on models whose every layer is a
+plain `KVCache`, speculate; the others step aside (`step_aside` names why). Each row of the verify
+is sampled as the one-token step would sample it (the argmax, or a draw with the request's own
+sampler), and a draft token is accepted when the row before it chose it: the output is unchanged
+but for float near-ties between a (1 + k)-row and a 1-row forward pass. For a sampled request
+this is rejection sampling against a deterministic draft: a draft token d is accepted with the
+target's probability p(d), and on a rejection the token drawn is distributed as p without d,
+renormalised, the residual the method resamples from (docs/design/speculation.md).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from omlx.engine.config import EngineConfig
 from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, TokenOut
+from omlx.engine.sampling import position_at
 from omlx.engine.solo import SoloSequence, plain_kv
 from omlx.engine.step_clock import PERF
 
@@ -27,9 +32,7 @@ log = logging.getLogger("omlx.engine")
 MakeOut = Callable[[RequestState, int, Any, int, Callable[[], None]], TokenOut]
 
 
-def step_aside(
-    enabled: bool, greedy: bool, processors: list[Any], constrained: bool, cache: list[Any], images: bool = False
-) -> str | None:
+def step_aside(enabled: bool, processors: list[Any], constrained: bool, cache: list[Any], images: bool = False) -> str | None:
     """Why a solo request does not speculate (None: it does)."""
     if not enabled:
         return "off"
@@ -37,8 +40,6 @@ def step_aside(
         return "images"
     if constrained:
         return "constrained"
-    if not greedy:
-        return "sampled"
     if processors:
         return "logits processors"
     if not plain_kv(cache):
@@ -59,7 +60,7 @@ def request_aside(state: RequestState, enabled: bool) -> str | None:
     """Why an inserted request does not speculate (None: it does), logged once (`enabled`: speculation
     is on and the model's cache kinds roll back, `model_speculates`)."""
     req = state.request
-    why = step_aside(enabled, state.sampler is None, state.processors, req.constraint is not None, [],
+    why = step_aside(enabled, state.processors, req.constraint is not None, [],
                      images=req.vision is not None)  # fmt: skip
     if why is not None and why != "off":
         log.debug("request=%s does not speculate: %s", state.id, why)
@@ -89,10 +90,11 @@ class Speculation:
             self.lookup.extend(seq.fed[known:])
         return not self.lookup.resting
 
-    def step(self, seq: SoloSequence, allowed: int) -> tuple[list[tuple[int, Any]], int] | None:
-        """With `allowed` tokens left to emit: the pending token and the accepted draft tokens
-        (token, logprobs) with the depth the first was fed at, or None when there is no draft
-        (the caller steps as usual). The token after them is left pending, already computed."""
+    def step(self, seq: SoloSequence, allowed: int, at: int) -> tuple[list[tuple[int, Any]], int] | None:
+        """With `allowed` tokens left to emit, the pending one the output's `at`-th: it and the
+        accepted draft tokens (token, logprobs) with the depth the first was fed at, or None when
+        there is no draft (the caller steps as usual). The token after them is left pending,
+        already computed. A draft token is accepted when the row before it draws it (module doc)."""
         assert seq.pending is not None and len(self.lookup.tokens) == len(seq.fed)
         token, logprobs = seq.pending
         tic = PERF()
@@ -108,7 +110,8 @@ class Speculation:
         tic = PERF()
         logits = seq.model(mx.array([[first, *draft]]), cache=seq.cache)[0]
         rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        best = mx.argmax(rows, axis=-1)
+        position_at(seq.sampler, at + 1)
+        best = seq.sampler(rows)  # argmax, or each row drawn as a one-token step would (below)
         built = PERF()
         mx.eval(best, rows)
         if seq.clock is not None:
@@ -118,6 +121,7 @@ class Speculation:
         kept = 0
         while kept < len(draft) and draft[kept] == chosen[kept]:
             kept += 1
+        position_at(seq.sampler, at + kept + 2)  # the rows after the new pending one are drawn again
         self.lookup.accepted(len(draft), kept)
         if kept < len(draft):
             for c in seq.cache:
@@ -131,7 +135,7 @@ class Speculation:
         """The solo request's next tokens from a verified draft, up to the first that ends it
         (`out(state, token, logprobs, ahead, cut)` makes each), or None when it has no draft now."""
         seq = state.solo
-        got = self.step(seq, allowed) if self.ready(seq) else None
+        got = self.step(seq, allowed, state.completion_tokens) if self.ready(seq) else None
         if got is None:
             return None
         state.drafted, state.accepted = self.lookup.drafted, self.lookup.kept

@@ -1,6 +1,6 @@
 """Prompt-lookup speculation through a real `omlx serve` on the real SmolLM2 in float32: greedy
-output, logprobs, stop strings, `max_tokens` and streams are what the same server gives without
-speculation, alone and in a batch, while drafts are verified and accepted
+and seeded sampled output, logprobs, stop strings, `max_tokens` and streams are what the same
+server gives without speculation, alone and in a batch, while drafts are verified and accepted
 (docs/design/speculation.md)."""
 
 from __future__ import annotations
@@ -127,14 +127,47 @@ def test_mixed_batches_and_cached_turns_answer_as_without_speculation(servers):
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
 
 
-def test_sampled_and_biased_requests_step_aside(servers):
+def test_biased_requests_step_aside(servers):
     spec, _ = servers
     before = spec_counters(spec)
-    oai = client(spec)
-    for extra in ({"temperature": 0.7, "seed": 3}, {"temperature": 0, "logit_bias": {"11": 1.0}}):
-        r = oai.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": COUNT}], max_tokens=40, **extra)
-        assert r.usage.completion_tokens > 0
+    r = client(spec).chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": COUNT}], max_tokens=40, temperature=0, logit_bias={"11": 1.0}
+    )
+    assert r.usage.completion_tokens > 0
     assert spec_counters(spec) == before
+
+
+def sampled(server: ServerProcess, prompt: str, **kwargs) -> str:
+    r = client(server).chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": prompt}], max_tokens=60, **kwargs
+    )
+    return r.choices[0].message.content
+
+
+def test_seeded_sampled_answers_are_those_without_speculation_alone_and_in_a_batch(servers):
+    """A seeded request draws each output position with a key of its own, so its answer does not
+    depend on how speculation grouped the tokens: the plain server's answer, while drafts were
+    accepted (rejection sampling; the distribution's test is tests/unit/test_spec_batch.py)."""
+    spec, plain = servers
+    asks = [(prompt, {"temperature": 0.7, "top_p": 0.95, "seed": seed}) for prompt in (CODE, FRUIT, COUNT) for seed in (1, 2)]
+    want = [sampled(plain, prompt, **kw) for prompt, kw in asks]
+    before = spec_counters(spec)
+    assert [sampled(spec, prompt, **kw) for prompt, kw in asks] == want  # alone: the solo path
+    drafted, accepted = (a - b for a, b in zip(spec_counters(spec), before, strict=True))
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    with ThreadPoolExecutor(len(asks)) as pool:  # together: rows of the batch's verify
+        assert list(pool.map(lambda a: sampled(spec, a[0], **a[1]), asks)) == want
+
+
+def test_top_p_and_min_p_change_sampled_output(servers):
+    """With one seed, a hot temperature wanders from the greedy answer; top_p or min_p that keep
+    only the likeliest token bring it back."""
+    _, plain = servers
+    greedy = sampled(plain, FREE, temperature=0)
+    hot = {"temperature": 1.5, "seed": 7}
+    assert sampled(plain, FREE, **hot) != greedy
+    assert sampled(plain, FREE, **hot, top_p=0.01) == greedy
+    assert sampled(plain, FREE, **hot, extra_body={"min_p": 0.99}) == greedy
 
 
 def test_a_models_own_setting_turns_speculation_off_at_its_next_load(servers):
@@ -186,10 +219,10 @@ def test_batch_rows_verify_their_drafts_in_shared_steps_and_answer_as_without_sp
     assert d["verify_loops"] >= 3 and d["verify_rows"] / d["verify_loops"] >= 2, d  # drafts verified in shared steps
 
 
-def test_a_sampled_row_joining_the_batch_leaves_the_greedy_rows_answers_unchanged(servers):
-    """A sampled request (which does not speculate) arriving mid-way sends the rows decoding with
-    drafts back to mlx-lm's batch until it ends, then they draft again; the greedy rows answer as
-    they do alone."""
+def test_a_biased_row_joining_the_batch_leaves_the_greedy_rows_answers_unchanged(servers):
+    """A request with a logit bias (which does not speculate) arriving mid-way sends the rows
+    decoding with drafts back to mlx-lm's batch until it ends, then they draft again; the greedy
+    rows answer as they do alone."""
     spec, plain = servers
     greedy = [COUNT, LETTERS, LIST]
     want = {p: ask(plain, p)[:2] for p in greedy}
@@ -210,18 +243,18 @@ def test_a_sampled_row_joining_the_batch_leaves_the_greedy_rows_answers_unchange
                     started.set()
         return text, tokens
 
-    def sampled() -> int:
+    def biased() -> int:
         assert started.wait(120)
         r = client(spec).chat.completions.create(
-            model=SMOL, messages=[{"role": "user", "content": CODE}], temperature=0.8, seed=5, max_tokens=8
+            model=SMOL, messages=[{"role": "user", "content": CODE}], temperature=0, logit_bias={"11": 1.0}, max_tokens=8
         )
         return r.usage.completion_tokens
 
     with ThreadPoolExecutor(len(greedy) + 1) as pool:
-        late = pool.submit(sampled)
+        late = pool.submit(biased)
         got = dict(zip(greedy, pool.map(streamed, greedy), strict=True))
         assert late.result() > 0
     assert got == want
     after = spec.log_path.read_text(errors="replace")[seen:]
-    back = after.find("batch rows stop drafting")  # the sampled row sent them back
+    back = after.find("batch rows stop drafting")  # the biased row sent them back
     assert back >= 0 and "batch rows move to the SpecBatch" in after[back:]  # and they returned

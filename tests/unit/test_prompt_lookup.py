@@ -62,12 +62,12 @@ def test_requests_that_cannot_keep_the_output_unchanged_step_aside():
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     plain = [KVCache(), KVCache()]
-    assert step_aside(True, True, [], False, plain) is None
-    assert step_aside(False, True, [], False, plain) == "off"
-    assert step_aside(True, False, [], False, plain) == "sampled"
-    assert step_aside(True, True, [object()], False, plain) == "logits processors"
-    assert step_aside(True, True, [], True, plain) == "constrained"
-    assert step_aside(True, True, [], False, [KVCache(), RotatingKVCache(max_size=8)]) == "cache layers that cannot roll back"
+    assert step_aside(True, [], False, plain) is None  # greedy or sampled alike
+    assert step_aside(False, [], False, plain) == "off"
+    assert step_aside(True, [object()], False, plain) == "logits processors"
+    assert step_aside(True, [], True, plain) == "constrained"
+    assert step_aside(True, [], False, plain, images=True) == "images"
+    assert step_aside(True, [], False, [KVCache(), RotatingKVCache(max_size=8)]) == "cache layers that cannot roll back"
 
 
 def test_a_model_with_a_window_or_recurrent_layer_does_not_speculate_and_says_why(caplog):
