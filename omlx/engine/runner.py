@@ -76,6 +76,7 @@ class Runner:
         on_restored: Callable[[RequestState], None],
     ) -> None:
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.draft_model = loaded.draft  # drafts for a request alone (draft_model.py), or None
         self.context_length = loaded.context_length
         self.config, self.cache, self.budget = config, cache, budget
         self.quantum = quantum  # the prefill grid (`EngineConfig.prefill_grid`)
@@ -304,7 +305,7 @@ class Runner:
                 captures=state.captures, clock=self.clock, vision=vision,
             )  # fmt: skip
             kind = Admission.SOLO if alone else Admission.PREFILL
-            state.spec = speculation_for(state, self.config, self.eos_ids) if alone else state.spec
+            state.spec = speculation_for(state, self.config, self.eos_ids, self.draft_model) if alone else state.spec
         else:
             self.batch_insert(state, tokens[cached:], cache, tokens[:cached], req.max_tokens)
             kind = Admission.BATCH

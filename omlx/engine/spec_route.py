@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from mlx_lm.generate import BatchGenerator
 
+from omlx.engine.draft_model import DraftModelLookup
 from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, Status
 from omlx.engine.spec_batch import SpecBatch
@@ -61,6 +62,8 @@ class SpecRoute:
         (one token left to feed); whether it did."""
         if len(todo) != 1 or not fed or not self.may(state) or not self.open():
             return False
+        if isinstance(lookup, DraftModelLookup):  # batch rows draft from n-grams (speculation.md)
+            lookup = None
         self.spec.add(state, cache, fed, todo[0], lookup)
         return True
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from omlx.engine.config import EngineConfig
+from omlx.engine.draft_model import DraftModelLookup
 from omlx.engine.prompt_lookup import PromptLookup
 from omlx.engine.request_state import RequestState, TokenOut
 from omlx.engine.sampling import position_at
@@ -67,19 +68,27 @@ def request_aside(state: RequestState, enabled: bool) -> str | None:
     return why
 
 
-def speculation_for(state: RequestState, config: EngineConfig, eos_ids: list[int]) -> Speculation | None:
-    """The solo request's speculation, unless it steps aside (`state.spec_aside`, or its cache)."""
+def speculation_for(
+    state: RequestState, config: EngineConfig, eos_ids: list[int], draft_model: Any = None
+) -> Speculation | None:
+    """The solo request's speculation, unless it steps aside (`state.spec_aside`, or its cache):
+    drafts from `draft_model` where the model has one, else from the request's own n-grams."""
     req = state.request
     if state.spec_aside is None and plain_kv(state.solo.cache):
-        return Speculation(req.prompt_tokens, config.draft_max, {*eos_ids, *req.stop_token_ids})
+        lookup = (
+            DraftModelLookup(req.prompt_tokens, config.draft_max, draft_model)
+            if draft_model is not None
+            else PromptLookup(req.prompt_tokens, config.draft_max)
+        )
+        return Speculation(lookup, {*eos_ids, *req.stop_token_ids})
     return None
 
 
 class Speculation:
     """One request's speculation while it decodes as the solo sequence."""
 
-    def __init__(self, prompt: list[int], draft_max: int, stops: set[int]) -> None:
-        self.lookup = PromptLookup(prompt, draft_max)
+    def __init__(self, lookup: PromptLookup, stops: set[int]) -> None:
+        self.lookup = lookup  # the drafts: n-grams of the sequence, or a draft model's
         self.stops = stops  # tokens that end the request: nothing is drafted after them
 
     def ready(self, seq: SoloSequence) -> bool:

@@ -34,6 +34,8 @@ class LoadedLLM:
     compute_dtype: str
     context_length: int
     vision: Any = None  # a VLM's `models.vision.VisionParts`; None for a text model
+    draft: Any = None  # the model of its `draft_model` setting, loaded beside it (`load_with_draft`)
+    draft_id: str | None = None
 
 
 def resolve_compute_dtype(setting: str) -> str:
@@ -81,3 +83,31 @@ def load_llm(
     if context_cap:
         context = min(context, context_cap)
     return LoadedLLM(info, model, tokenizer, dtype, context)
+
+
+def draft_incompatible(target: Any, draft: Any) -> str | None:
+    """Why the tokenizer `draft` cannot draft for `target` (None: it can): the vocabulary must be
+    the same, token for token, and so must the end-of-sequence tokens."""
+    if target.get_vocab() != draft.get_vocab():
+        return "its tokenizer's vocabulary differs"
+    if sorted(target.eos_token_ids or []) != sorted(draft.eos_token_ids or []):
+        return "its end-of-sequence tokens differ"
+    return None
+
+
+def load_with_draft(
+    info: ModelInfo, draft_info: ModelInfo | None, compute_dtype: str = "auto", kept_root: Path | None = None
+) -> LoadedLLM:
+    """`load_llm`, and the model of its `draft_model` setting beside it (engine thread). A draft
+    model that cannot draft for it is left out, with a warning: the model serves without it."""
+    loaded = load_llm(info, compute_dtype, kept_root=kept_root)
+    if draft_info is None:
+        return loaded
+    draft = load_llm(draft_info, compute_dtype, kept_root=kept_root)
+    why = "it is a vision model" if draft.vision is not None else draft_incompatible(loaded.tokenizer, draft.tokenizer)
+    if why is not None:
+        log.warning("%s: draft model %s is not used: %s", info.id, draft_info.id, why)
+        return loaded
+    loaded.draft, loaded.draft_id = draft.model, draft_info.id
+    log.info("%s: drafts from %s when a request decodes alone", info.id, draft_info.id)
+    return loaded

@@ -55,7 +55,8 @@ class Engine(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
-EngineFactory = Callable[[ModelInfo, ModelSettings], Engine]
+# (model, its settings) or, for an LLM with a `draft_model` setting, (model, settings, draft model)
+EngineFactory = Callable[..., Engine]
 
 
 @dataclass
@@ -229,7 +230,9 @@ class EnginePool:
                 f"Model '{info.id}' is a {resolved.type} model, which this server cannot serve yet.",
                 param="model",
             )
-        estimate = estimate_model_bytes(info, self._compute_dtype(resolved.type))
+        draft = self._draft_info(resolved)
+        dtype = self._compute_dtype(resolved.type)
+        estimate = estimate_model_bytes(info, dtype) + (estimate_model_bytes(draft, dtype) if draft is not None else 0)
         self._make_room(info.id, estimate)
         if self.memory_guard is not None:
             self.memory_guard.room_for(info.id, estimate)
@@ -237,7 +240,7 @@ class EnginePool:
         self.loading.add(info.id)
         tic = time.perf_counter()
         try:
-            engine = factory(info, resolved.settings)
+            engine = factory(info, resolved.settings) if draft is None else factory(info, resolved.settings, draft)
         except Exception as exc:
             self.loading.discard(info.id)
             raise _load_failure(info.id, exc) from exc
@@ -264,6 +267,21 @@ class EnginePool:
             info.id, seconds, format_size(engine.memory_bytes), format_size(estimate),
         )
         return entry
+
+    def _draft_info(self, resolved: Resolved) -> ModelInfo | None:
+        """The model of `resolved`'s `draft_model` setting (None: it has none); a 400 when that
+        names no text model of the model directory."""
+        name = resolved.settings.draft_model
+        if name is None:
+            return None
+        draft = self.discovery.models.get(name)
+        if resolved.type != "llm" or draft is None or draft.type != "llm" or draft.vision:
+            raise InvalidRequestError(
+                f"Model '{resolved.info.id}' has draft_model '{name}', which is not a text model in the model "
+                "directory; change the setting (PUT /api/models/{id}/settings).",
+                param="model",
+            )
+        return draft
 
     def _compute_dtype(self, kind: str) -> str:
         from omlx.models.loader import resolve_compute_dtype
@@ -388,6 +406,8 @@ class EnginePool:
                     # seconds per part of the decode-only engine loops and the tokens they made
                     # (engine/step_clock.py), and the engine's and event loop's threads' CPU
                     "step_times": getattr(engine, "step_times", None) if engine else None,
+                    # the model drafting for a request decoding alone (its `draft_model`, once loaded and usable)
+                    "draft_model": getattr(getattr(engine, "loaded", None), "draft_id", None) if engine else None,
                 }
             )
         return out

@@ -39,6 +39,8 @@ class ModelSettings(GenerationDefaults):
     ttl: int | None = Field(default=None, ge=0, description="Idle seconds before unload; 0 = never")
     type: Literal["llm", "embedding", "reranker"] | None = None
     speculation: bool | None = Field(default=None, description="Prompt-lookup speculation (None: the server's)")
+    # a smaller model of the same tokenizer that drafts for this one (docs/design/speculation.md)
+    draft_model: str | None = Field(default=None, min_length=1, description="Model id that drafts for a request decoding alone")
     profiles: dict[str, GenerationDefaults] = Field(default_factory=dict)
 
     def effective(self, profile: str | None) -> GenerationDefaults:

@@ -28,7 +28,7 @@ from omlx.engine.llm_engine import LLMEngine
 from omlx.errors import ConfigError
 from omlx.mcp import mcp_manager
 from omlx.models.discovery import ModelInfo
-from omlx.models.loader import load_llm
+from omlx.models.loader import load_with_draft
 from omlx.pool.engine_pool import EngineFactory, EnginePool
 from omlx.pool.memory import memory_limit_total
 from omlx.pool.memory_guard import MemoryGuard, parse_limit
@@ -69,10 +69,10 @@ def llm_factory(
     if store is not None:
         cache_factory = partial(make_prefix_cache, store, captures_states=True, stateful_block_size=stateful_block)
 
-    def make(info: ModelInfo, ms: ModelSettings) -> LLMEngine:
+    def make(info: ModelInfo, ms: ModelSettings, draft: ModelInfo | None = None) -> LLMEngine:
         return LLMEngine(
             info.id,
-            lambda: load_llm(info, settings.compute_dtype, kept_root=settings.home / "converted"),
+            lambda: load_with_draft(info, draft, settings.compute_dtype, kept_root=settings.home / "converted"),
             max_concurrent=settings.max_concurrent_requests,
             max_waiting=settings.max_waiting_requests,
             prefill_step_size=settings.prefill_step_size,

@@ -15,8 +15,10 @@ import openai
 import pytest
 
 from tests.support.server import ServerProcess
+from tests.support.tiny_model import build_tiny_draft
 
 SMOL = "SmolLM2-135M-Instruct"
+DRAFT = "smol-draft"  # tiny, random weights, SmolLM2's tokenizer
 # prompts whose answers repeat the prompt (drafts accepted) and one that does not
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\nRename the function add to plus and return the whole code."
 COUNT = "Count from 1 to 40, separated by commas."
@@ -35,6 +37,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("spec-models")
     provision_default_model(root)
+    build_tiny_draft(root / DRAFT, root / SMOL)  # a draft model with SmolLM2's tokenizer
     homes = [tmp_path_factory.mktemp("spec-home"), tmp_path_factory.mktemp("plain-home")]
     spec = ServerProcess(homes[0], ["--model-dir", str(root), "--model", SMOL, "--hot-cache-only", "--draft-max", "8",
                                     "--log-level", "debug"])  # fmt: skip
@@ -173,21 +176,16 @@ def test_top_p_and_min_p_change_sampled_output(servers):
 def test_a_models_own_setting_turns_speculation_off_at_its_next_load(servers):
     spec, _ = servers
     base = spec.base_url
-
-    def reload() -> None:
-        assert httpx.post(f"{base}/v1/models/{SMOL}/unload", timeout=60).status_code == 200
-        assert httpx.post(f"{base}/v1/models/{SMOL}/load", timeout=120).status_code == 200
-
     r = httpx.put(f"{base}/api/models/{SMOL}/settings", json={"speculation": False}, timeout=10)
     assert r.status_code == 200 and r.json()["settings"]["speculation"] is False
     try:
-        reload()
+        reload(spec)
         before = spec_counters(spec)
         assert ask(spec, COUNT, max_tokens=40)[3] == "length"
         assert spec_counters(spec) == before
     finally:
         httpx.put(f"{base}/api/models/{SMOL}/settings", json={"speculation": None}, timeout=10)
-        reload()
+        reload(spec)
     before = spec_counters(spec)
     ask(spec, COUNT, max_tokens=40)
     assert spec_counters(spec)[0] > before[0]
@@ -258,3 +256,51 @@ def test_a_biased_row_joining_the_batch_leaves_the_greedy_rows_answers_unchanged
     after = spec.log_path.read_text(errors="replace")[seen:]
     back = after.find("batch rows stop drafting")  # the biased row sent them back
     assert back >= 0 and "batch rows move to the SpecBatch" in after[back:]  # and they returned
+
+
+def reload(server: ServerProcess) -> None:
+    assert httpx.post(f"{server.base_url}/v1/models/{SMOL}/unload", timeout=60).status_code == 200
+    assert httpx.post(f"{server.base_url}/v1/models/{SMOL}/load", timeout=120).status_code == 200
+
+
+def set_draft(server: ServerProcess, name: str | None) -> None:
+    r = httpx.put(f"{server.base_url}/api/models/{SMOL}/settings", json={"draft_model": name}, timeout=10)
+    assert r.status_code == 200 and r.json()["settings"]["draft_model"] == name, r.text
+
+
+def drafting_model(server: ServerProcess) -> str | None:
+    data = httpx.get(server.base_url + "/v1/models/status", timeout=30).json()["data"]
+    return next(m for m in data if m["id"] == SMOL)["draft_model"]
+
+
+def test_a_draft_model_keeps_the_answers_and_drafting_for_itself_accepts_its_drafts(servers):
+    """`draft_model`: a tiny random draft (mostly rejected) and the model drafting for itself
+    (every greedy draft accepted: the method's own overhead) leave greedy and seeded answers as
+    the server without speculation gives them; a setting naming no model is a 400 at load."""
+    spec, plain = servers
+    greedy = {p: ask(plain, p, max_tokens=40)[:2] for p in (CODE, FREE)}
+    seeded = {"temperature": 0.7, "seed": 4}
+    want_sampled = sampled(plain, CODE, **seeded)
+    try:
+        for draft in (DRAFT, SMOL):
+            set_draft(spec, draft)
+            reload(spec)
+            assert drafting_model(spec) == draft
+            before = spec_counters(spec)
+            assert {p: ask(spec, p, max_tokens=40)[:2] for p in greedy} == greedy, draft
+            drafted, accepted = (a - b for a, b in zip(spec_counters(spec), before, strict=True))
+            assert sampled(spec, CODE, **seeded) == want_sampled, draft
+            assert drafted > 0, draft
+            if draft == SMOL:
+                assert accepted >= 0.95 * drafted, (drafted, accepted)  # near-ties aside, all of them
+            else:
+                assert accepted < 0.5 * drafted, (drafted, accepted)
+        set_draft(spec, "no-such-model")
+        assert httpx.post(f"{spec.base_url}/v1/models/{SMOL}/unload", timeout=60).status_code == 200
+        r = httpx.post(f"{spec.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": SMOL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 400 and "draft_model 'no-such-model'" in r.json()["error"]["message"], r.text
+    finally:
+        set_draft(spec, None)
+        reload(spec)
+    assert drafting_model(spec) is None

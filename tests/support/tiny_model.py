@@ -141,3 +141,33 @@ def _eos_unreachable(weights: list[tuple[str, mx.array]], eos: int) -> list[tupl
         out.append((name, w))
     mx.eval([w for _, w in out])
     return out
+
+
+def build_tiny_draft(out: Path, like: Path, *, seed: int = 1, hidden: int = 64, layers: int = 2) -> Path:
+    """A tiny random-weight Llama with the tokenizer (files, vocabulary size, end tokens) of the
+    model in `like`: a draft model for it whose drafts are mostly wrong."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (like / name).exists():
+            shutil.copy(like / name, out / name)
+    base = json.loads((like / "config.json").read_text())
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+        "num_hidden_layers": layers, "intermediate_size": hidden * 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "vocab_size": base["vocab_size"],
+        "max_position_embeddings": base.get("max_position_embeddings", 8192), "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        **{k: base[k] for k in ("bos_token_id", "eos_token_id") if k in base},
+    }  # fmt: skip
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(out, model)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
