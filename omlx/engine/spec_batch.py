@@ -15,8 +15,8 @@ may be is `VerifyCost`'s: a wider step pays only where it costs less than the to
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import mlx.core as mx
