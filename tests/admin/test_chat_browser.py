@@ -1,5 +1,6 @@
 """The dashboard's chat end to end in a real headless Chromium (Playwright), against one real
-`omlx serve`: a tiny random Llama, a tiny reasoning model, a tiny VLM and the tests' MCP server.
+`omlx serve`: SmolLM2, a tiny random Llama, a tiny reasoning model, a tiny VLM and the tests'
+MCP server.
 
 Each test drives the page and checks what it shows, what the browser sent (the request bodies)
 and what the server did (its log, its files, its status API). Screenshots at desktop and phone
@@ -20,11 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omlx.models.default_model import provision_default_model
 from tests.admin.conftest import start_server, writable_model_dir
 from tests.admin.test_admin_browser import CHROMIUM, SCREENS_COPY, pytestmark  # noqa: F401 - the skip
 from tests.support.tiny_model import build_tiny_llama
 
 LLM, THINKER, VLM = "tiny-llama", "tiny-thinker", "tiny-vlm"
+SMOL = "SmolLM2-135M-Instruct"  # the real model: an answer that makes sense
 MCP_SERVER = Path(__file__).resolve().parents[1] / "support" / "mcp_servers.py"
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -35,6 +38,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("chat-ui")
     models = writable_model_dir(tiny_model_dir, root)
     build_tiny_llama(models / THINKER, thinking=True, seed=1)
+    provision_default_model(models)
     try:
         from tests.support.tiny_vlm import build_tiny_qwen2_vl
 
@@ -125,25 +129,35 @@ def answers(page) -> list[str]:
     return page.locator(".msg.assistant .bubble").all_inner_texts()
 
 
+def raw_answers(page) -> list[str]:
+    """The current chat's answers as generated (markdown), from the page's store."""
+    return page.evaluate("""() => { const d = JSON.parse(localStorage.getItem(ChatStore.KEY));
+      return ChatStore.path(d.chats.find((c) => c.id === d.current)).map((t) => t.variant.answer.content); }""")
+
+
+FIRST = "Count from 1 to 20, separated by commas."
+
+
 def test_chats_are_kept_in_the_browser_with_their_settings(page, server, screens):
     open_chat(page, server)
-    page.select_option("select[name=model]", LLM)
+    page.select_option("select[name=model]", SMOL)
     set_field(page, "system", "You are terse.")
     set_field(page, "max_tokens", "12")
     set_field(page, "temperature", "0")
-    send(page, "first chat question")
+    send(page, FIRST)
     meta = page.locator(".msg.assistant .meta").last.inner_text()
     assert re.fullmatch(r"12 tokens · prefill [\d.]+ tok/s · decode [\d.]+ tok/s · TTFT [\d.]+ m?s · 0 of \d+ prompt tokens cached", meta), meta
+    assert re.match(r"1\D+2", answers(page)[0]), answers(page)  # SmolLM2 counting, as the page shows it
     body = page.sent[-1]
-    assert body["model"] == LLM and body["max_tokens"] == 12 and body["temperature"] == 0 and body["stream"] is True
-    assert body["messages"] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "first chat question"}]
+    assert body["model"] == SMOL and body["max_tokens"] == 12 and body["temperature"] == 0 and body["stream"] is True
+    assert body["messages"] == [{"role": "system", "content": "You are terse."}, {"role": "user", "content": FIRST}]
     assert "top_p" not in body  # blank: the model's default
     # a second turn resends the first as generated: the prefix cache restores it
     send(page, "and more")
     second = page.locator(".msg.assistant .meta").last.inner_text()
     cached = int(re.search(r"(\d+) of (\d+) prompt tokens cached", second).group(1))
     assert cached > 0, second
-    assert page.sent[-1]["messages"][2] == {"role": "assistant", "content": answers(page)[0]}
+    assert page.sent[-1]["messages"][2] == {"role": "assistant", "content": raw_answers(page)[0]}
     # a second chat with other settings
     page.click("[data-action=new-chat]")
     page.wait_for_selector(".chat-empty")
@@ -153,7 +167,7 @@ def test_chats_are_kept_in_the_browser_with_their_settings(page, server, screens
     assert page.sent[-1]["max_tokens"] == 5
     assert page.locator(".chat-items li").count() == 2
     # rename the first, search, delete the second
-    first = page.locator(".chat-items li", has_text="first chat question")
+    first = page.locator(".chat-items li", has_text=FIRST)
     first.hover()
     first.locator("[data-action=rename-chat]").click()
     page.fill("input[name=chat-title]", "Renamed chat")
@@ -170,10 +184,10 @@ def test_chats_are_kept_in_the_browser_with_their_settings(page, server, screens
     assert page.input_value("textarea[name=system]") == "You are the second."
     assert page.input_value("input[name=max_tokens]") == "5"
     page.locator(".chat-items li:has-text('Renamed chat') .chat-item").click()
-    page.wait_for_selector(".msg.user:has-text('first chat question')")
+    page.wait_for_selector(f".msg.user:has-text('{FIRST}')")
     assert page.input_value("textarea[name=system]") == "You are terse."
     assert page.input_value("input[name=max_tokens]") == "12"
-    assert page.input_value("select[name=model]") == LLM
+    assert page.input_value("select[name=model]") == SMOL
     assert len(answers(page)) == 2
     zebra = page.locator(".chat-items li", has_text="zebras")
     zebra.hover()
@@ -204,7 +218,7 @@ def test_turns_regenerate_edit_stop_and_copy(page, server):
     assert answers(page)[1] == regenerated
     # edit the first user message: a new variant of turn 0; the old branch (both turns) is kept
     page.locator(".turn").nth(0).locator("[data-action=edit]").click()
-    assert page.input_value("textarea[name=prompt]") == "first chat question"
+    assert page.input_value("textarea[name=prompt]") == FIRST
     page.fill("textarea[name=prompt]", "edited question")
     page.click("[data-action=send]")
     wait_idle(page)
@@ -214,7 +228,7 @@ def test_turns_regenerate_edit_stop_and_copy(page, server):
     tabs0 = page.locator(".turn").nth(0).locator(".variant-tabs [role=tab]")
     assert tabs0.count() == 2
     tabs0.nth(0).click()
-    assert page.locator(".turn").count() == 2 and page.locator(".msg.user .bubble").first.inner_text() == "first chat question"
+    assert page.locator(".turn").count() == 2 and page.locator(".msg.user .bubble").first.inner_text() == FIRST
     tabs0.nth(1).click()
     assert page.locator(".msg.user .bubble").first.inner_text() == "edited question"
     # copy an answer as markdown
