@@ -388,6 +388,8 @@ def test_theme_follows_the_system_or_the_choice_and_the_chat_fits_a_phone(browse
         open_chat(p, server)
         theme = lambda: p.evaluate("[document.documentElement.dataset.theme, document.getElementById('theme').textContent]")  # noqa: E731
         assert theme() == ["dark", "Theme: auto"]  # auto follows the system's dark scheme
+        p.select_option("select[name=model]", LLM)
+        set_field(p, "max_tokens", "16")
         send(p, "hello in the dark")
         shot(p, screens, "desktop-dark")
         bg = p.evaluate("getComputedStyle(document.querySelector('.chat-main')).backgroundColor")
