@@ -49,7 +49,7 @@ def tiny_loader(tiny_model_dir: Path) -> Callable[[], SimpleNamespace]:
         from mlx_lm import load
 
         model, tokenizer = load(str(tiny_model_dir / "tiny-llama"))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048, draft=None)
 
     return loader
 

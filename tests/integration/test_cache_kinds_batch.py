@@ -39,7 +39,7 @@ def engine_on(folder: Path, cached: bool) -> LLMEngine:
         from mlx_lm import load
 
         model, tokenizer = load(str(folder))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=4096)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=4096, draft=None)
 
     def factory(loaded: SimpleNamespace) -> PrefixCache:
         kinds, why = model_kinds(loaded.model)

@@ -51,7 +51,7 @@ class Server:
             from mlx_lm import load
 
             model, tokenizer = load(str(model_dir / "tiny-llama"))
-            return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=4096)
+            return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=4096, draft=None)
 
         def factory(loaded: SimpleNamespace) -> PrefixCache:
             cache = PrefixCache(store, FP, len(loaded.model.layers), "m")

@@ -86,7 +86,7 @@ def faulty_engine(model_path: Path) -> tuple[LLMEngine, FaultyModel]:
 
     model, tokenizer = load(str(model_path))
     faulty = FaultyModel(model)
-    loaded = SimpleNamespace(model=faulty, tokenizer=tokenizer, context_length=2048)
+    loaded = SimpleNamespace(model=faulty, tokenizer=tokenizer, context_length=2048, draft=None)
     return LLMEngine("tiny", lambda: loaded, max_concurrent=1, max_waiting=4), faulty
 
 

@@ -42,7 +42,7 @@ def warming_engine(model_path: Path, warmup_tokens: int, *, own_prefill: bool = 
         from mlx_lm import load
 
         model, tokenizer = load(str(model_path))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048, draft=None)
 
     return LLMEngine(
         "tiny", loader, max_concurrent=4, prefill_step_size=16, solo_prefill_step_size=step, own_prefill=own_prefill,

@@ -32,7 +32,7 @@ def make_engine(
         from mlx_lm import load
 
         model, tokenizer = load(str(model_path))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048, draft=None)
 
     return LLMEngine(
         "tiny", loader, max_concurrent=4, solo=solo, prefill_step_size=prefill_step_size, own_prefill=own_prefill,
@@ -337,7 +337,7 @@ def test_an_idle_engine_empties_buffers_other_threads_freed_into_the_cache_where
         from mlx_lm import load
 
         model, tokenizer = load(str(model_path))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048, draft=None)
 
     engine = LLMEngine("tiny", loader, max_concurrent=4, idle_empties_cache=empties)
 
@@ -671,7 +671,7 @@ def test_stored_blocks_wait_for_a_lone_prompts_prefill_to_end_before_moving_to_s
         from mlx_lm import load
 
         model, tokenizer = load(str(model_path))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048, draft=None)
 
     engine = LLMEngine("tiny", loader, max_concurrent=4, prefill_step_size=16, solo_prefill_step_size=16,
                        prefix_cache_factory=lambda loaded: Spy())  # fmt: skip
@@ -756,7 +756,7 @@ def test_a_restore_ending_off_the_chunk_grid_is_cut_back_where_that_saves_buildi
         from mlx_lm import load
 
         model, tokenizer = load(str(model_path))
-        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048)
+        return SimpleNamespace(model=model, tokenizer=tokenizer, context_length=2048, draft=None)
 
     engine = LLMEngine(
         "tiny", loader, max_concurrent=4, prefill_step_size=32, solo_prefill_step_size=64, own_prefill=True,
