@@ -562,7 +562,7 @@ def engine_decode(model: Any, tokenizer: Any, prompt: list[int], n: int, eos: li
     from omlx.engine.llm_engine import LLMEngine
     from omlx.engine.request import GenerationRequest, SamplingParams
 
-    loaded = SimpleNamespace(model=model, tokenizer=tokenizer, context_length=1 << 20)
+    loaded = SimpleNamespace(model=model, tokenizer=tokenizer, context_length=1 << 20, draft=None)
     engine = LLMEngine("bench", lambda: loaded, max_concurrent=1)
 
     async def run() -> dict[str, float]:
