@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,15 @@ from fastapi.testclient import TestClient
 
 from tests.admin.fake_hub import FakeHub
 from tests.support.server import ServerProcess
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENS_COPY = Path("/tmp/omlx-screens")  # every browser test's screenshots, kept after the run
+LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+needs_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM),
+    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium; scripts/setup.sh does it as root)",
+)
 
 API_KEY = "admin-test-key-123"
 HUB_REPO = "test-org/tiny-llama-mlx"
@@ -84,3 +94,23 @@ def in_process_app(omlx_home: Path, tmp_path: Path):
     yield client, models
     client.close()
     app.state.pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """A headless Chromium (Debian's, driven by Playwright) for a browser test module."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def screens(tmp_path_factory: pytest.TempPathFactory):
+    """A module's screenshot folder, copied to `SCREENS_COPY` at its end."""
+    folder = tmp_path_factory.mktemp("screens")
+    yield folder
+    SCREENS_COPY.mkdir(parents=True, exist_ok=True)
+    for png in folder.glob("*.png"):
+        shutil.copy(png, SCREENS_COPY / png.name)

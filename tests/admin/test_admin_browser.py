@@ -8,7 +8,6 @@ screenshot of each page (kept in the test's tmp dir and copied to /tmp/omlx-scre
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -16,15 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.admin.conftest import API_KEY, HUB_REPO, start_server, writable_model_dir
+from tests.admin.conftest import API_KEY, HUB_REPO, needs_chromium, start_server, writable_model_dir
 
-CHROMIUM = "/usr/bin/chromium"
-SCREENS_COPY = Path("/tmp/omlx-screens")
-
-pytestmark = pytest.mark.skipif(
-    not os.path.exists(CHROMIUM),
-    reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium; scripts/setup.sh does it as root)",
-)
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
@@ -35,28 +28,6 @@ def server(tiny_model_dir: Path, fake_hub, tmp_path_factory: pytest.TempPathFact
     yield srv
     srv.stop()
     shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"],
-        )
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
-def screens(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("screens")
-    yield folder
-    SCREENS_COPY.mkdir(parents=True, exist_ok=True)
-    for png in folder.glob("*.png"):
-        shutil.copy(png, SCREENS_COPY / png.name)
 
 
 @pytest.fixture(scope="module")

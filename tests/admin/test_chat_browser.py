@@ -22,15 +22,13 @@ import httpx
 import pytest
 
 from omlx.models.default_model import provision_default_model
-from tests.admin.conftest import start_server, writable_model_dir
-from tests.admin.test_admin_browser import CHROMIUM, SCREENS_COPY, pytestmark  # noqa: F401 - the skip
+from tests.admin.conftest import needs_chromium, start_server, writable_model_dir
 from tests.support.tiny_model import build_tiny_llama
 
 LLM, THINKER, VLM = "tiny-llama", "tiny-thinker", "tiny-vlm"
 SMOL = "SmolLM2-135M-Instruct"  # the real model: an answer that makes sense
 MCP_SERVER = Path(__file__).resolve().parents[1] / "support" / "mcp_servers.py"
-LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run"]
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +49,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     yield srv
     srv.stop()
     shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-    with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
-def screens(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("chat-screens")
-    yield folder
-    SCREENS_COPY.mkdir(parents=True, exist_ok=True)
-    for png in folder.glob("*.png"):
-        shutil.copy(png, SCREENS_COPY / png.name)
 
 
 def new_page(browser, server, **context_args):
