@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.support.tiny_model import CORPUS
+from tests.support.tiny_model import train_bpe
 
 SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>", "<image>", "<|ref|>", "<|/ref|>",
             "<|det|>", "<|/det|>", "<|grounding|>", "<|User|>", "<|Assistant|>"]  # fmt: skip
@@ -27,15 +27,9 @@ def build_tiny_deepseek_ocr(out: Path, *, seed: int = 0, weight_scale: float = 4
     from mlx.utils import tree_flatten
     from mlx_vlm.models import deepseekocr
     from mlx_vlm.utils import save_weights
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(out / "tokenizer.json"))
+    tok = train_bpe(out, SPECIALS)
     ids = {name: tok.token_to_id(name) for name in SPECIALS}
     assert ids["<｜begin▁of▁sentence｜>"] == 0  # the processor prepends id 0 as BOS
     (out / "tokenizer_config.json").write_text(json.dumps({

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -26,21 +26,24 @@ CORPUS = [
 ] * 20
 
 
-def build_tokenizer(out: Path, vocab_size: int = 512, thinking: bool = False) -> None:
-    """A BPE tokenizer with ChatML's special tokens (and `<think>`/`</think>` with `thinking`,
-    whose template opens a think block for the answer)."""
+def train_bpe(out: Path, specials: list[str], vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained on `CORPUS` with `specials` first (ids 0, 1, …), saved
+    as `out / "tokenizer.json"`; the `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<think>", "</think>"] if thinking else []),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(out / "tokenizer.json"))
+    return tok
+
+
+def build_tokenizer(out: Path, vocab_size: int = 512, thinking: bool = False) -> None:
+    """A BPE tokenizer with ChatML's special tokens (and `<think>`/`</think>` with `thinking`,
+    whose template opens a think block for the answer)."""
+    train_bpe(out, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + (["<think>", "</think>"] if thinking else []), vocab_size)
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {

@@ -7,7 +7,7 @@ import io
 import json
 from pathlib import Path
 
-from tests.support.tiny_model import CORPUS
+from tests.support.tiny_model import train_bpe
 
 VISION_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
@@ -24,18 +24,7 @@ VL_CHATML = (
 
 
 def _tokenizer(out: Path) -> dict[str, int]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION_SPECIALS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(out / "tokenizer.json"))
+    train_bpe(out, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION_SPECIALS])
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
