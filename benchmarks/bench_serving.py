@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     prepare_model,
     print_table,
     run,
+    serving,
     stream_many,
     text_of_tokens,
     warn_if_busy,
@@ -173,7 +174,7 @@ def main() -> None:
                         "conversations": prompts(args.streams), "max_tokens": args.stream_tokens,
                         "no_eos_bias": model.no_eos_bias()})  # fmt: skip
 
-    try:
+    with serving(ours, peer):
         for server in (ours, peer):
             log(f"starting {server.label}")
             server.start()
@@ -204,14 +205,6 @@ def main() -> None:
                 keep(side, "cN_ttft", mean(r.ttft for r in results), False)
                 keep(side, "cN_stream_tps", mean(r.decode_tps for r in results), True)
                 log(f"  aggregate {tps:.2f} tok/s, mean ttft {mean(r.ttft for r in results):.3f}s")
-    except BaseException:
-        for server in (ours, peer):
-            if server.proc is not None and server.proc.poll() is None:
-                log(f"{server.label} log tail:\n{server.log_tail()}")
-        raise
-    finally:
-        ours.cleanup()
-        peer.cleanup()
 
     o, p, raw = best["ours"], best["peer"], best["raw"]
     n = args.streams

@@ -47,6 +47,7 @@ from common import (  # noqa: E402
     prepare_model,
     print_table,
     run,
+    serving,
     stream_many,
     warn_if_busy,
     write_json,
@@ -181,7 +182,7 @@ def main() -> None:
         span = max(r.t_last for r in rs) - min(r.t_first for r in rs)
         return sum(r.completion_tokens for r in rs) / span if span > 0 else 0.0
 
-    try:
+    with serving(*sides.values()):
         for name, server in sides.items():
             log(f"starting {server.label}")
             server.start()
@@ -198,14 +199,6 @@ def main() -> None:
                     figures[f"{work}_{side}"].append(tps)
                     log(f"  decode {tps:.2f} tok/s (others used {others:.2f} cores)")
         logs = {name: server.log_path.read_text(errors="replace") for name, server in sides.items()}
-    except BaseException:
-        for server in sides.values():
-            if server.proc is not None and server.proc.poll() is None:
-                log(f"{server.label} log tail:\n{server.log_tail()}")
-        raise
-    finally:
-        for server in sides.values():
-            server.cleanup()
 
     best = {k: max(v) for k, v in figures.items() if v}
     median = {k: statistics.median(v) for k, v in figures.items() if v}

@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     prepare_model,
     print_table,
     run,
+    serving,
     smollm2_gguf,
     stream_many,
     text_of_tokens,
@@ -109,7 +110,7 @@ def peer_part(args: argparse.Namespace, model: PreparedModel, info: dict) -> Non
         (r,), _ = run(stream_many(sides[side], [messages], max_tokens, extras=[fmt]))
         return r
 
-    try:
+    with serving(*sides.values()):
         for name, server in sides.items():
             log(f"starting {name}")
             server.start()
@@ -124,14 +125,6 @@ def peer_part(args: argparse.Namespace, model: PreparedModel, info: dict) -> Non
                     noise.append(others)
                     rounds[name][-1].append(r)
             log(f"  others used {mean(noise[-2 * len(SCHEMAS):]):.2f} cores on average this round")
-    except BaseException:
-        for server in sides.values():
-            if server.proc is not None and server.proc.poll() is None:
-                log(f"{server.label} log tail:\n{server.log_tail()}")
-        raise
-    finally:
-        for server in sides.values():
-            server.cleanup()
 
     why = {name: [[valid(r, SCHEMAS[i][1]) for i, r in enumerate(rs)] for rs in rounds[name]] for name in sides}
     rate = {name: 100 * sum(not w for ws in why[name] for w in ws) / sum(len(ws) for ws in why[name]) for name in sides}
@@ -227,7 +220,7 @@ def main() -> None:
             log(f"warning: {r.completion_tokens} tokens, not {args.decode_tokens}")
         return r.decode_tps
 
-    try:
+    with serving(server):
         log("starting oMLX")
         server.start()
         log(f"warming up (BLAS: {server.blas()})")
@@ -243,12 +236,6 @@ def main() -> None:
                 tps = measure(f"round {rnd}: batch-1, {'held' if held else 'free'}", lambda h=held: one(h))
                 figures[key].append(tps)
                 log(f"  decode {tps:.2f} tok/s")
-    except BaseException:
-        if server.proc is not None and server.proc.poll() is None:
-            log(f"oMLX log tail:\n{server.log_tail()}")
-        raise
-    finally:
-        server.cleanup()
 
     best = {k: max(v) for k, v in figures.items()}
     median = {k: statistics.median(v) for k, v in figures.items()}

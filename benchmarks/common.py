@@ -15,6 +15,7 @@ The driver process never imports MLX: everything measured runs in child processe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -586,6 +587,22 @@ class Server:
 
     def __exit__(self, *exc: Any) -> None:
         self.cleanup()
+
+
+@contextlib.contextmanager
+def serving(*servers: Server) -> Iterator[None]:
+    """A benchmark's body over `servers`: on a failure each one still running logs its tail; all
+    are cleaned up at the end."""
+    try:
+        yield
+    except BaseException:
+        for server in servers:
+            if server.proc is not None and server.proc.poll() is None:
+                log(f"{server.label} log tail:\n{server.log_tail()}")
+        raise
+    finally:
+        for server in servers:
+            server.cleanup()
 
 
 # ----- streaming client -----------------------------------------------------------------
