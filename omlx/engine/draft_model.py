@@ -32,6 +32,7 @@ class DraftModelLookup(PromptLookup):
         self.model = model
         self.cache = make_prompt_cache(model)
         self.fed: list[int] = []  # the tokens in `cache`
+        self.synced = 0  # `fed` and the sequence agree this far (`_sync`)
         self.extend(tokens)
 
     def draft(self, limit: int) -> list[int]:
@@ -50,22 +51,22 @@ class DraftModelLookup(PromptLookup):
         return out
 
     def _sync(self) -> None:
-        """Make the cache hold the sequence's tokens but its last."""
-        want = self.tokens[:-1]
-        common = 0
-        for a, b in zip(self.fed, want, strict=False):
-            if a != b:
-                break
+        """Make the cache hold the sequence's tokens but its last. Only what came since the last
+        draft is compared: the sequence only grows, and that draft fed all of it then."""
+        want = len(self.tokens) - 1
+        common, end = self.synced, min(len(self.fed), want)
+        while common < end and self.fed[common] == self.tokens[common]:
             common += 1
         if common < len(self.fed):
             for c in self.cache:
                 c.trim(len(self.fed) - common)
             del self.fed[common:]
-        for start in range(common, len(want), PREFILL_CHUNK):
-            chunk = want[start : start + PREFILL_CHUNK]
+        for start in range(common, want, PREFILL_CHUNK):
+            chunk = self.tokens[start : min(start + PREFILL_CHUNK, want)]
             self.model(mx.array([chunk]), cache=self.cache)
             mx.eval([c.state for c in self.cache])
             self.fed += chunk
+        self.synced = want
 
 
 __all__ = ["DraftModelLookup"]

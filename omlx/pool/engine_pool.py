@@ -269,11 +269,11 @@ class EnginePool:
         return entry
 
     def _draft_info(self, resolved: Resolved) -> ModelInfo | None:
-        """The model of `resolved`'s `draft_model` setting (None: it has none); a 400 when that
-        names no text model of the model directory."""
-        name = resolved.settings.draft_model
-        if name is None:
-            return None
+        """The model of `resolved`'s `draft_model` setting (None: it has none, or does not
+        speculate); a 400 when that names no text model of the model directory."""
+        name, on = resolved.settings.draft_model, resolved.settings.speculation
+        if name is None or not (self.settings.speculation if on is None else on) or not self.settings.draft_max:
+            return None  # no speculation for this model: nothing would draft
         draft = self.discovery.models.get(name)
         if resolved.type != "llm" or draft is None or draft.type != "llm" or draft.vision:
             raise InvalidRequestError(
