@@ -37,8 +37,9 @@ Rules:
   salvaged into calls (arguments as generated); an envelope still open when the output ends is
   closed and parsed; what cannot be read either way is given back as text, verbatim, and
   :attr:`OutputParser.warnings` names the problem (``tool_call_unclosed``,
-  ``tool_call_unparsed``, ``tool_arguments_invalid``); a call-shaped JSON answer naming a tool
-  that was not offered stays text, with ``tool_call_unknown_tool``.
+  ``tool_call_unparsed``, ``tool_arguments_invalid``); a strictly call-shaped JSON answer naming a
+  tool that was not offered is a call too, with ``tool_call_unknown_tool`` (the client reports the
+  unknown tool to the model), except when the request asked for an output format.
 * A start marker quoted in prose or code is text: one right after a backtick or inside a
   plain code block, or one whose next characters cannot begin a call of its family
   (``Markup.plausible``).
@@ -89,6 +90,7 @@ from omlx.api.tool_calls import (
     json_values,
     new_call_id,
     normalize_tools,
+    strict_call,
 )
 
 __all__ = ["OutputParser", "ParsedOutput", "parse_output"]
@@ -171,11 +173,13 @@ class OutputParser:
         think_start: str = "<think>",
         think_end: str = "</think>",
         starts_in_reasoning: bool = False,
+        unknown_tool_calls: bool = True,
     ):
         self.family = canonical_family(family)
         self._tools = normalize_tools(tools) or None
         self._names = {t["function"]["name"] for t in self._tools or []}
         self._fallbacks = bool(self._tools)
+        self._unknown_calls = unknown_tool_calls
         self._markups = markups_for(self.family) if self._tools else []
         self._reasoning = bool(reasoning and think_start and think_end)
         self._think_start, self._think_end = think_start, think_end
@@ -306,18 +310,34 @@ class OutputParser:
         if salvage_calls(text.lstrip("`").removeprefix("json").removeprefix("tool_call"), self._names):
             self._warn("tool_call_unclosed", f"The output ended inside {what}; it is returned as text.")
 
-    def _warn_if_unknown_tool(self, text: str) -> None:
-        """A call-shaped JSON answer (name and arguments) naming a tool that was not offered."""
+    def _unknown_tool_calls(self, text: str) -> list[ToolCall] | None:
+        """A call-shaped JSON answer naming a tool that was not offered: a call all the same.
+
+        Strictly call-shaped only - every item an object of ``name`` plus ``arguments`` or
+        ``parameters`` (an object or a JSON string) and at most ``id``/``type`` besides - and
+        never under a requested output format. Returned as a call, the client tells the model
+        the tool does not exist and the agent loop goes on; as text, it would end the turn as
+        the answer. ``tool_call_unknown_tool`` names it."""
+        if not self._unknown_calls:
+            return None
         try:
             values = json_values(text)
         except ValueError:
-            return
+            return None
         items = [v for value in values for v in (value if isinstance(value, list) else [value])]
-        names = [v.get("name") for v in items if isinstance(v, dict) and ("arguments" in v or "parameters" in v)]
-        unknown = [n for n in names if isinstance(n, str) and n not in self._names]
-        if names and len(names) == len(items) and unknown:
-            self._warn("tool_call_unknown_tool", f"The answer reads as a call of '{unknown[0][:64]}', which is not "
-                       "among the offered tools; it is returned as text.")  # fmt: skip
+        parsed = [strict_call(v) for v in items]
+        if not parsed or None in parsed:
+            return None
+        calls = self._make_calls(parsed)
+        unknown = [c.name for c in calls or [] if c.name not in self._names]
+        if not calls or not unknown:
+            return None
+        self._warn("tool_call_unknown_tool", f"The model called '{unknown[0][:64]}', which is not among the "
+                   "offered tools; it is returned as a tool call for the client to report.")  # fmt: skip
+        for call in calls:
+            if call.problem:
+                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+        return calls
 
     def _make_calls(self, parsed: Any, known: set[str] | None = None) -> list[ToolCall] | None:
         if parsed is None:
@@ -630,7 +650,7 @@ class OutputParser:
             except ValueError:
                 calls = self._salvaged(text)
             if not calls:
-                self._warn_if_unknown_tool(text)
+                calls = self._unknown_tool_calls(text)
         if calls:
             self._mode = _TEXT
             self._acc_reset()
@@ -720,7 +740,7 @@ class OutputParser:
         except Exception:  # mlx-lm's pythonic parser raises assorted errors
             calls = self._salvaged(stripped) if stripped[:1] == "{" else None
         if not calls and stripped[:1] in ("{", "["):
-            self._warn_if_unknown_tool(stripped)
+            calls = self._unknown_tool_calls(stripped)
         return calls
 
     def _fence_as_text(self, upto: int, in_block: bool) -> bool:

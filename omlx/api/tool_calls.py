@@ -194,6 +194,22 @@ def _call_from_dict(d: Any) -> dict | None:
     return call
 
 
+_STRICT_CALL_KEYS = {"name", "arguments", "parameters", "id", "type"}
+
+
+def strict_call(d: Any) -> dict | None:
+    """``{"name", "arguments"|"parameters", "id"?, "type"?}`` and nothing else, the arguments an
+    object or a JSON string: a call beyond doubt, whatever the name; None otherwise."""
+    if not isinstance(d, dict) or not set(d) <= _STRICT_CALL_KEYS or "name" not in d:
+        return None
+    if ("arguments" in d) == ("parameters" in d):
+        return None
+    args = d.get("arguments", d.get("parameters"))
+    if not isinstance(args, (dict, str)):
+        return None
+    return _call_from_dict(d)
+
+
 def calls_from_json(value: Any, known: set[str] | None) -> list[dict] | None:
     """Calls from a decoded JSON value (an object or a list of objects); None if it is not one."""
     items = value if isinstance(value, list) else [value]

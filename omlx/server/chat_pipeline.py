@@ -71,6 +71,7 @@ class PreparedChat:
     memory: TurnMemory | None = None  # where the answer is remembered as generated
     model_id: str = ""
     messages: list[dict[str, Any]] = field(default_factory=list)  # as the client sent them
+    formatted: bool = False  # an output format was asked for: the answer is that, not a call
 
     def remember(self, text: str, tokens: list[int], content: str, calls: list[ToolCall], ev: GenerationEvent) -> None:
         """Keep an answer that ended normally, as generated, for the conversation's next request."""
@@ -85,6 +86,7 @@ class PreparedChat:
             think_start=self.think_start,
             think_end=self.think_end,
             starts_in_reasoning=self.starts_in_reasoning,
+            unknown_tool_calls=not self.formatted,
         )
 
 
@@ -269,7 +271,7 @@ async def prepare_chat(
     bind(request_id=request.request_id)
     return PreparedChat(
         request, family, tools, reasoning, starts_in_reasoning, think_start, think_end, list(turn.warnings),
-        memory, engine.model_id, turn.messages,
+        memory, engine.model_id, turn.messages, turn.output_format is not None,
     )
 
 

@@ -2,10 +2,10 @@
 
 `"mcp": true` offers every ready MCP tool; `"mcp": {"tools": [names or server names],
 "max_rounds": n}` a subset and fewer rounds (at most `--mcp-max-rounds`). The MCP tools join the
-request's own tools (a request tool of the same name wins). Each round generates; when every
-call of the answer is to an MCP tool, the calls run (each within `--mcp-tool-timeout`, in
-parallel), the answer and the results join the conversation, and the next round generates with
-`tool_choice` "auto". The loop ends with an answer without calls, one that calls a request
+request's own tools (a request tool of the same name wins). Each round generates; when no call
+of the answer is to a request tool, the calls run (each within `--mcp-tool-timeout`, in
+parallel; a call of a tool nobody offered gets an error result), the answer and the results
+join the conversation, and the next round generates with `tool_choice` "auto". The loop ends with an answer without calls, one that calls a request
 tool (returned to the client as it is), or at the round limit (returned as it is, with a
 warning). A tool's error, timeout or failed server becomes the tool's result text, which the
 model reads; it never fails the request.
@@ -92,6 +92,14 @@ async def _run_call(manager: McpManager, call: ToolCall) -> str:
     return f"Error: {text}" if result.is_error and not text.lower().startswith("error") else text
 
 
+def for_the_client(calls: list[ToolCall], loop_names: set[str], tools: list[dict[str, Any]] | None) -> bool:
+    """Whether an answer's calls go back to the client: one of them names a tool of the request
+    itself. A call of a tool nobody offered runs in the loop, where it fails as "no MCP tool
+    named …" and the model reads that, as it would from an agent."""
+    own = {t["name"] for t in tools or []} - loop_names
+    return any(c.name in own for c in calls)
+
+
 @dataclass
 class Started:
     """A round's request is prepared: its prompt's length."""
@@ -148,7 +156,7 @@ async def tool_loop(
         rounds.append({"prompt_tokens": final.prompt_tokens, "cached_tokens": final.cached_tokens,
                        "completion_tokens": final.completion_tokens})  # fmt: skip
         calls = [d for d in deltas if isinstance(d, ToolCall)]
-        if not calls or any(c.name not in names for c in calls) or manager is None:
+        if not calls or manager is None or for_the_client(calls, names, turn.tools):
             break
         if k == options.max_rounds - 1:
             warnings.append(OutputWarning(

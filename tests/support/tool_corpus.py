@@ -203,8 +203,14 @@ SYNTHETIC: list[Case] = [
     _verbatim("fenced-json-cut-inside-a-call", "hermes", '```json\n{"name": "get_weather", "arguments": {"loc',
               ["tool_call_unclosed"], "length"),
     _verbatim("json-answer-is-not-a-call", "hermes", '{"city": "Paris", "temp": 21}'),
-    _verbatim("call-of-a-tool-not-offered", "hermes", '```json\n{"name": "read_readme", "arguments": {}}\n```',
-              ["tool_call_unknown_tool"]),
+    # a call beyond doubt of a tool that was not offered is still a call: the client tells the model
+    Case("call-of-a-tool-not-offered", "hermes", '```json\n{"name": "read_readme", "arguments": {}}\n```',
+         [call("read_readme")], ["tool_call_unknown_tool"]),
+    Case("bare-call-of-a-tool-not-offered", None, '{"name": "add", "arguments": {"a": 2, "b": 3}}',
+         [call("add", {"a": 2, "b": 3})], ["tool_call_unknown_tool"]),
+    _verbatim("unknown-name-json-with-other-keys-is-text", "hermes",
+              '{"name": "add", "arguments": {"a": 2}, "description": "adds"}'),
+    _verbatim("unknown-name-json-with-list-arguments-is-text", None, '{"name": "Ada", "arguments": ["x", "y"]}'),
 ]  # fmt: skip
 
 

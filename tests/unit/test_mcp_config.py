@@ -75,3 +75,15 @@ def test_unreadable_or_malformed_files(tmp_path: Path) -> None:
         load_mcp_config(_write(tmp_path, "bad.json", "{"))
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_mcp_config(_write(tmp_path, "bad.yml", "servers: [unclosed"))
+
+
+def test_the_tool_loop_hands_back_only_calls_of_the_requests_own_tools() -> None:
+    from omlx.api.tool_calls import ToolCall
+    from omlx.server.mcp_loop import for_the_client
+
+    tools = [{"name": "mine", "parameters": {}}, {"name": "web", "parameters": {}}]
+    def calls(*names: str) -> list[ToolCall]:
+        return [ToolCall(f"call_{n}", n, "{}") for n in names]
+    assert for_the_client(calls("web", "mine"), {"web"}, tools)
+    assert not for_the_client(calls("web"), {"web"}, tools)
+    assert not for_the_client(calls("web", "add"), {"web"}, tools)  # `add`: nobody's, fails in the loop

@@ -413,9 +413,27 @@ def test_bare_json_without_tools_is_text():
     check(text, [("text", text)], family="hermes", tools=None, markup_free=False)
 
 
-def test_bare_json_unknown_name_is_text():
+def test_a_call_of_a_tool_not_offered_is_a_call_with_a_warning():
+    """Returned as a call, the client reports the unknown tool to the model and the agent loop
+    goes on; as text it would end the turn, the JSON as the answer."""
     text = '{"name": "launch_rockets", "arguments": {"count": 3}}'
-    check(text, [("text", text)], family=None)
+    check(text, [call("launch_rockets", count=3)], family=None)
+    check("Example:\n```json\n" + text + "\n```\nEnd.", [("text", "Example:"), call("launch_rockets", count=3),
+          ("text", "End.")], family=None)  # fmt: skip
+    parsed = parse_output(text, family=None, tools=TOOLS, reasoning=False)
+    assert [w.code for w in parsed.warnings] == ["tool_call_unknown_tool"]
+
+
+def test_unknown_names_are_calls_only_when_strictly_call_shaped_and_no_format_was_asked():
+    for text in [
+        '{"name": "launch_rockets", "arguments": {"count": 3}, "note": "x"}',  # a key no call has
+        '{"name": "Ada", "arguments": ["x"]}',  # arguments neither object nor JSON text
+        '{"name": "Ada", "arguments": {}, "parameters": {}}',
+        '[{"name": "a", "arguments": {}}, {"city": "Paris"}]',
+    ]:
+        check(text, [("text", text)], family=None)
+    text = '{"name": "launch_rockets", "arguments": {"count": 3}}'
+    check(text, [("text", text)], family=None, unknown_tool_calls=False)
 
 
 def test_json_answer_that_is_not_a_call_is_text():
@@ -475,7 +493,6 @@ def test_stray_closing_brace_after_call():
 
 def test_fenced_json_not_a_call_is_verbatim_text():
     for text in [
-        'Example:\n```json\n{"name": "launch_rockets", "arguments": {}}\n```\nEnd.',
         'Data:\n```json\n{"a": 1}\n```',
         "Code:\n```python\nprint('hi')\n```\nAnd ```json\n{\"b\": 2}\n``` too",
     ]:
