@@ -100,8 +100,16 @@ SETTINGS: tuple[Setting, ...] = (
         "speculation",
         bool,
         True,
-        "Prompt-lookup speculative decoding: a request (greedy or sampled) drafts up to --draft-max tokens from n-grams of its own prompt and output and verifies them in one forward pass, alone or (on a CPU) with the other batch rows' drafts in the same pass, as long as the wider pass pays (requests without logits processors or images, on models with only full-attention layers; output unchanged); a request whose drafts are mostly rejected stops drafting for a while. A model's own `speculation` setting overrides it.",
+        "Prompt-lookup speculative decoding: a request (greedy or sampled) drafts up to --draft-max tokens from n-grams of its own prompt and output and verifies them in one forward pass, alone or with the other batch rows' drafts in the same pass (--batch-speculation), as long as the wider pass pays (requests without logits processors or images, on models with only full-attention layers; output unchanged); a request whose drafts are mostly rejected stops drafting for a while. A model's own `speculation` setting overrides it.",
         summary="Prompt-lookup speculation (--no-speculation: off)",
+    ),
+    Setting(
+        "batch_speculation",
+        str,
+        "auto",
+        "Whether requests decoding in a batch verify their drafts together in one forward pass (a request alone always may): on, off, or auto = on a CPU only, since a GPU's wider batch step is not measured yet to pay (docs/design/speculation.md).",
+        choices=("auto", "on", "off"),
+        summary="Batch rows speculate together (auto: CPU only)",
     ),
     Setting(
         "draft_max",

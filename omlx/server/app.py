@@ -82,6 +82,7 @@ def llm_factory(
             max_kv_memory=kv_memory,
             speculation=settings.speculation if ms.speculation is None else ms.speculation,
             draft_max=settings.draft_max,
+            batch_speculation={"on": True, "off": False}.get(settings.batch_speculation),
         )
 
     return make
