@@ -4,8 +4,13 @@ servers on the same weights (Qwen2.5-Coder-0.5B-Instruct in float32 by default).
   (a) edit: a ~2,000-token source file and "return the file with function X renamed to Y";
       batch-1 decode tok/s with vs without — goal >= 2.0x, and the same tokens on both sides;
   (b) free-form chat (nothing to copy): batch-1 decode tok/s with vs without — goal >= 0.95x;
-  (c) 8 concurrent edit streams (eight source files, a function renamed in each): aggregate decode
-      tok/s with vs without — goal >= 1.0x, and the same tokens on both sides.
+  (c) 8 concurrent edit streams (eight source files, a function renamed in each; --streams N for
+      more): aggregate decode tok/s with vs without — goal >= 1.0x, and the same tokens on both sides.
+
+Each workload's decode steps are split (graph build, launch, device wait, host: ms per loop, from
+the servers' `step_times`), the speculating server's verify steps beside plain ones. On a GPU
+(issue #45's H200 goals: batch-1 edit >= 2.5x, 32 streams >= 1.3x) run it with `--as-is` on the
+model as served and `--server-args "--batch-speculation on"`, e.g. with SmolLM2's MLX folder.
 
 With --peer llama.cpp, also (d): llama.cpp's llama-server on the GGUF oMLX imports the model
 from, without speculation and with each --llama-spec set of its n-gram speculation flags (default:
@@ -19,6 +24,8 @@ round; best and median of --repeats rounds are reported.
     .venv/bin/python benchmarks/bench_speculation.py            # ~30 min on 2 CPUs
     .venv/bin/python benchmarks/bench_speculation.py --quick    # smoke run
     .venv/bin/python benchmarks/bench_speculation.py --peer llama.cpp  # + (d); llama-server built once: common.py
+    python benchmarks/bench_speculation.py --model-path DIR --as-is --streams 32 --only ac \
+        --server-args "--batch-speculation on"                       # on the H200
 """
 
 from __future__ import annotations
@@ -82,12 +89,13 @@ STREAM_SOURCES = ["solo.py", "grammar.py", "vision_lm.py", "graph_warmup.py", "o
 
 
 def stream_prompts(model, tokens: int, streams: int) -> list[list[dict[str, str]]]:
-    """(c): one edit per stream, a file of omlx/engine cut near `tokens` tokens with its first
-    function (defined in the cut) renamed."""
+    """(c): one edit per stream, a file of omlx/engine cut near `tokens` tokens with a function
+    (defined in the cut) renamed: stream i edits file i mod 8, renaming its (i div 8)-th function."""
     out = []
-    for name in STREAM_SOURCES[:streams]:
-        code = cut_source(model, SOURCE.parent / name, tokens)
-        old = next(m.group(1) for m in re.finditer(r"^\s*def (\w+)\(", code, re.M) if not m.group(1).startswith("__"))
+    for i in range(streams):
+        code = cut_source(model, SOURCE.parent / STREAM_SOURCES[i % len(STREAM_SOURCES)], tokens)
+        names = [m.group(1) for m in re.finditer(r"^\s*def (\w+)\(", code, re.M) if not m.group(1).startswith("__")]
+        old = names[(i // len(STREAM_SOURCES)) % len(names)]
         ask = f"Return this whole file with the function `{old}` renamed to `{old}_v2` (its definition and every call). Reply with the code only."
         out.append([{"role": "user", "content": f"```python\n{code}```\n\n{ask}"}])
     return out
@@ -99,6 +107,22 @@ def step_times(server: Server) -> dict:
     return next(m for m in data if m["id"] == server.request_model)["step_times"] or {}
 
 
+SPLIT = ("graph_build", "launch", "device_wait", "host")
+
+
+def step_split(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Milliseconds per decode loop of each part between two `step_times`, for the loops that
+    verified drafts and for the others (plain steps), with each kind's loops and rows."""
+    d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float)) and k in before}
+    out = {}
+    for kind, loops, rows, part in (("verify", d["verify_loops"], d["verify_rows"], lambda p: d[f"verify_{p}_s"]),
+                                    ("plain", d["loops"] - d["verify_loops"], d["rows"] - d["verify_rows"],
+                                     lambda p: d[f"{p}_s"] - d[f"verify_{p}_s"])):  # fmt: skip
+        if loops > 0:
+            out[kind] = {"loops": loops, "rows_per_loop": rows / loops, **{p: 1e3 * part(p) / loops for p in SPLIT}}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", help="MLX model folder (default: Qwen2.5-Coder-0.5B-Instruct, tests/support/qwen_coder.py)")
@@ -106,7 +130,10 @@ def main() -> None:
     ap.add_argument("--edit-tokens", type=int, default=256, help="edit output measured, tokens (default 256)")
     ap.add_argument("--chat-tokens", type=int, default=128, help="chat output measured, tokens (default 128)")
     ap.add_argument("--draft-max", type=int, default=8, help="--draft-max of the speculating server (default 8)")
-    ap.add_argument("--streams", type=int, default=8, help="(c): concurrent edit streams (default 8, at most 8)")
+    ap.add_argument("--streams", type=int, default=8, help="(c): concurrent edit streams (default 8)")
+    ap.add_argument("--as-is", action="store_true", help="serve the model's weights as they are (no float32 copy: a GPU)")
+    ap.add_argument("--server-args", default="", help="more `omlx serve` flags for both oMLX servers, e.g. "
+                    "'--batch-speculation on' on a GPU")  # fmt: skip
     ap.add_argument("--stream-file-tokens", type=int, default=2000, help="(c): tokens of source file per stream (default 2000)")
     ap.add_argument("--stream-tokens", type=int, default=128, help="(c): output measured per stream, tokens (default 128)")
     ap.add_argument("--only", default="abc", help="the workloads to run, e.g. 'c' or 'ab' (default abc)")
@@ -131,19 +158,20 @@ def main() -> None:
             args.gguf = str(fetch_qwen_coder_gguf(CACHE_DIR / "gguf" / "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf"))
     if args.peer and not args.gguf:
         raise SystemExit("--peer with --model-path needs --gguf: the GGUF of the same model")
-    model = prepare_model(args.model_path)
+    model = prepare_model(args.model_path, as_is=args.as_is)
     info = header_info(sys.argv, model)
     edit = edit_prompt(model, args.file_tokens)
     chat = [{"role": "user", "content": CHAT}]
-    streams = stream_prompts(model, args.stream_file_tokens, min(args.streams, len(STREAM_SOURCES)))
+    streams = stream_prompts(model, args.stream_file_tokens, args.streams)
     works = [w for key, w in (("a", "edit"), ("b", "chat"), ("c", "streams")) if key in args.only]
-    print(f"# bench_speculation — {info['date']}\n\nmachine: {machine_summary()}\nmodel: {model.path} (float32)")
+    print(f"# bench_speculation — {info['date']}\n\nmachine: {machine_summary()}\n"
+          f"model: {model.path} ({'as it is' if args.as_is else 'float32'})")
     print(f"workload: (a) edit, {model.count_tokens(edit[0]['content'])}-token prompt, {args.edit_tokens} tokens out; "
           f"(b) chat, {args.chat_tokens} tokens out; batch 1, greedy; (c) {len(streams)} streams of "
           f"~{args.stream_file_tokens}-token files, {args.stream_tokens} tokens out each; draft max {args.draft_max}; "
           f"{args.repeats} rounds; workloads: {', '.join(works)}")  # fmt: skip
     warn_if_busy()
-    common = ["--hot-cache-only"]
+    common = ["--hot-cache-only", "--max-concurrent-requests", str(max(8, args.streams)), *shlex.split(args.server_args)]
     sides = {
         "spec": Server("omlx", model, [*common, "--speculation", "--draft-max", str(args.draft_max)], "oMLX speculating"),
         "plain": Server("omlx", model, [*common, "--no-speculation"], "oMLX"),
@@ -162,14 +190,20 @@ def main() -> None:
     figures: dict[str, list[float]] = {f"{w}_{s}": [] for w in works for s in sides}
     texts: dict[str, set[str]] = {f"{w}_{s}": set() for w in works for s in sides}
     shares: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}  # (c): rows per step, tokens per row
+    splits: dict[str, list[dict]] = {}  # per work and oMLX side: each round's step split
 
     def one(side: str, work: str) -> float:
+        before = step_times(sides[side]) if side in ("spec", "plain") else None
         if work == "streams":
-            return together(side)
-        messages, n = (edit, args.edit_tokens) if work == "edit" else (chat, args.chat_tokens)
-        (r,), _ = run(stream_many(sides[side], [messages], n))
-        texts[f"{work}_{side}"].add(r.text)
-        return r.decode_tps
+            tps = together(side)
+        else:
+            messages, n = (edit, args.edit_tokens) if work == "edit" else (chat, args.chat_tokens)
+            (r,), _ = run(stream_many(sides[side], [messages], n))
+            texts[f"{work}_{side}"].add(r.text)
+            tps = r.decode_tps
+        if before is not None:
+            splits.setdefault(f"{work}_{side}", []).append(step_split(before, step_times(sides[side])))
+        return tps
 
     def together(side: str) -> float:
         """(c): aggregate decode tok/s, all streams' tokens over their first token to their last."""
@@ -216,6 +250,7 @@ def main() -> None:
         if got:
             print(f"(c) {sides[side].label}: rows per decode step {', '.join(f'{r:.2f}' for r, _ in got)}; "
                   f"tokens per row and step {', '.join(f'{t:.2f}' for _, t in got)}")  # fmt: skip
+    print_splits(splits, works)
     drafted = [line.split("drafted=")[1] for line in logs["spec"].splitlines() if "drafted=" in line]
     print(f"speculating server's requests (drafted/accepted): {', '.join(d.replace(' accepted=', '/') for d in drafted)}")
     if args.peer:
@@ -223,7 +258,23 @@ def main() -> None:
     print(f"\nnoise: other processes used {mean(noise):.2f} cores on average (at most {max(noise):.2f}) "
           f"during the {len(noise)} measurements")  # fmt: skip
     write_json(args.json, {**info, "figures": figures, "same_text": same, "rows": [r.as_dict() for r in rows],
-                           "texts": {k: sorted(v) for k, v in texts.items()}})  # fmt: skip
+                           "texts": {k: sorted(v) for k, v in texts.items()}, "step_splits": splits})  # fmt: skip
+
+
+def print_splits(splits: dict[str, list[dict]], works: list[str]) -> None:
+    """Each workload's decode step split (ms per loop, medians over the measured rounds): the
+    speculating server's verify steps and plain steps beside the other server's plain steps."""
+    print("\n| workload | steps | loops | rows per loop | graph build | launch | device wait | host | total (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for work in works:
+        for side, kind in (("spec", "verify"), ("spec", "plain"), ("plain", "plain")):
+            rounds = [r[kind] for r in splits.get(f"{work}_{side}", [])[1:] if kind in r]  # [0]: the prefill call
+            if not rounds:
+                continue
+            med = {k: statistics.median(r[k] for r in rounds) for k in ("loops", "rows_per_loop", *SPLIT)}
+            label = f"{'speculating' if side == 'spec' else 'no speculation'}: {kind}"
+            print(f"| {work} | {label} | {med['loops']:.0f} | {med['rows_per_loop']:.1f} | "
+                  + " | ".join(f"{med[p]:.2f}" for p in SPLIT) + f" | {sum(med[p] for p in SPLIT):.2f} |")
 
 
 def peer_rows(best: dict, median: dict, sides: dict, texts: dict, logs: dict) -> list[Row]:

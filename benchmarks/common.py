@@ -303,11 +303,14 @@ def default_model_source() -> Path:
     return provision_default_model(src_dir)
 
 
-def prepare_model(model_path: str | Path | None = None) -> PreparedModel:
-    """A float32 copy of the model (default: SmolLM2-135M-Instruct), made once and cached."""
+def prepare_model(model_path: str | Path | None = None, as_is: bool = False) -> PreparedModel:
+    """A float32 copy of the model (default: SmolLM2-135M-Instruct), made once and cached; `as_is`:
+    the model folder itself, its weights as they are."""
     src = Path(model_path).resolve() if model_path else default_model_source().resolve()
     if not (src / "config.json").exists():
         raise SystemExit(f"{src} is not an MLX model folder (no config.json).")
+    if as_is:
+        return PreparedModel(path=src, model_dir=src.parent, model_id=src.name, eos_ids=_eos_ids(src))
     key = hashlib.sha1(str(src).encode()).hexdigest()[:10]
     model_dir = CACHE_DIR / "models" / f"fp32-{key}"
     target = model_dir / src.name

@@ -146,6 +146,7 @@ _FENCE_LANGS = {
 _TEXT, _REASONING, _TOOL, _JSON, _FENCED = "text", "reasoning", "tool", "json", "fence"
 _TAIL = 64  # longer than any end marker
 _CALL_NAME = re.compile(r"^[\w.:\-]{1,128}$")
+_ANY_NAME = re.compile(r"^[^\x00-\x1f]{1,128}$")  # a name in a call beyond doubt: one line, any characters
 _FINISHED = ("}", "]", ")", ">", "｜>")  # how a call's text ends once it is complete
 _HEAD = 256  # a call candidate must show itself within this many characters
 
@@ -313,9 +314,9 @@ class OutputParser:
     def _unknown_tool_calls(self, text: str) -> list[ToolCall] | None:
         """A call-shaped JSON answer naming a tool that was not offered: a call all the same.
 
-        Strictly call-shaped only - every item an object of ``name`` plus ``arguments`` or
-        ``parameters`` (an object or a JSON string) and at most ``id``/``type`` besides - and
-        never under a requested output format. Returned as a call, the client tells the model
+        Strictly call-shaped only - every item an object of ``name`` (one line, any characters:
+        small models write "Read greet.py") plus ``arguments`` or ``parameters`` (an object or a
+        JSON string) and at most ``id``/``type`` besides - and never under a requested output format. Returned as a call, the client tells the model
         the tool does not exist and the agent loop goes on; as text, it would end the turn as
         the answer. ``tool_call_unknown_tool`` names it."""
         if not self._unknown_calls:
@@ -328,7 +329,7 @@ class OutputParser:
         parsed = [strict_call(v) for v in items]
         if not parsed or None in parsed:
             return None
-        calls = self._make_calls(parsed)
+        calls = self._make_calls(parsed, names=_ANY_NAME)
         unknown = [c.name for c in calls or [] if c.name not in self._names]
         if not calls or not unknown:
             return None
@@ -339,7 +340,7 @@ class OutputParser:
                 self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
         return calls
 
-    def _make_calls(self, parsed: Any, known: set[str] | None = None) -> list[ToolCall] | None:
+    def _make_calls(self, parsed: Any, known: set[str] | None = None, names: re.Pattern = _CALL_NAME) -> list[ToolCall] | None:
         if parsed is None:
             return None
         calls = []
@@ -347,7 +348,7 @@ class OutputParser:
             if not isinstance(call, dict):
                 return None
             name, args = call.get("name"), call.get("arguments")
-            if not isinstance(name, str) or not _CALL_NAME.match(name.strip()):
+            if not isinstance(name, str) or not names.match(name.strip()):
                 return None  # a parser read something else as the name
             if name == "unknown" and isinstance(args, dict) and set(args) == {"raw"}:
                 return None  # mlx-lm's glm47 parser gave up

@@ -20,6 +20,7 @@ class StepClock:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.verify_totals: dict[str, float] = dict.fromkeys(PARTS, 0.0)  # the loops that verified drafts
         self.loops = 0
         self.tokens = 0
         self.rows = 0  # sequences the counted loops decoded, summed: rows / loops is the mean batch
@@ -75,10 +76,10 @@ class StepClock:
         if not tokens or self._prefilled:
             return
         wall = PERF() - self._started
-        parts = self._parts
-        for name, seconds in parts.items():
-            self.totals[name] += seconds
-        self.totals["host"] += max(0.0, wall - sum(parts.values()))
+        parts = {**self._parts, "host": max(0.0, wall - sum(self._parts.values()))}
+        for totals in (self.totals, self.verify_totals) if self._verify_rows else (self.totals,):
+            for name, seconds in parts.items():
+                totals[name] += seconds
         self.loops += 1
         self.tokens += tokens
         self.rows += self._rows
@@ -96,6 +97,7 @@ class StepClock:
             "verify_loops": self.verify_loops,
             "verify_rows": self.verify_rows,
             **{f"{name}_s": round(seconds, 6) for name, seconds in self.totals.items()},
+            **{f"verify_{name}_s": round(seconds, 6) for name, seconds in self.verify_totals.items()},
             "engine_cpu_s": cpu.get(self.engine_tid) if self.engine_tid is not None else None,
             "event_loop_cpu_s": cpu.get(threading.get_native_id()),
         }

@@ -215,6 +215,11 @@ def test_batch_rows_verify_their_drafts_in_shared_steps_and_answer_as_without_sp
     d = {k: after[k] - before[k] for k in ("loops", "rows", "verify_loops", "verify_rows")}
     assert d["rows"] / d["loops"] >= 2, d  # the requests shared decode steps (some answers are short)
     assert d["verify_loops"] >= 3 and d["verify_rows"] / d["verify_loops"] >= 2, d  # drafts verified in shared steps
+    # the verify loops' own split of their time is part of the whole one's
+    verify = {p: after[f"verify_{p}_s"] - before[f"verify_{p}_s"] for p in ("graph_build", "device_wait", "host")}
+    whole = {p: after[f"{p}_s"] - before[f"{p}_s"] for p in verify}
+    assert all(0 < verify[p] <= whole[p] for p in ("graph_build", "device_wait")), (verify, whole)
+    assert verify["host"] <= whole["host"], (verify, whole)
 
 
 def test_a_biased_row_joining_the_batch_leaves_the_greedy_rows_answers_unchanged(servers):
