@@ -81,6 +81,8 @@ def per_request(log_text: str) -> list[dict[str, Any]]:
     for row in rows:
         text, parsed = raw.get(row["id"], ("", 0))
         row["emitted_calls"], row["parsed_calls"] = len(EMITTED.findall(text)), parsed
+        if row["emitted_calls"] != parsed:
+            row["raw_output"] = text  # kept in --json where the counts differ, to be read
     return rows
 
 

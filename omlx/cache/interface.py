@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from omlx.cache.block.hashing import ExtraKeys
 from omlx.cache.block.kinds import CacheKinds
 from omlx.cache.loader.loading import Loading
 from omlx.cache.plan.restore_plan import RestorePlan
@@ -59,9 +60,12 @@ class PrefixCacheInterface(Protocol):
 
     blocks: BlockSpec
 
-    def match(self, tokens: list[int], grid: int = 0, *, resumed: bool = False) -> RestorePlan:
+    def match(
+        self, tokens: list[int], grid: int = 0, *, resumed: bool = False, image_keys: ExtraKeys | None = None
+    ) -> RestorePlan:
         """What `tokens` would restore (once per admission; no MLX, nothing read): at least one token is left
-        to compute; `grid`: the engine's prefill grid; `resumed`: a paused sequence's (not counted)."""
+        to compute; `grid`: the engine's prefill grid; `resumed`: a paused sequence's (not counted);
+        `image_keys`: each image's digest at its first token (`block_keys`' extra keys)."""
         ...
 
     def load(self, plan: RestorePlan, on_ready: Callable[[], None] = lambda: None) -> Loading:
@@ -88,10 +92,11 @@ class PrefixCacheInterface(Protocol):
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
+        image_keys: ExtraKeys | None = None,
     ) -> int:
         """Store the blocks of `tokens` (final: what the engine keeps) from token `start` on not cached yet (with
-        stateful layers, up to the first block end missing from `boundary_states`); 0 when done, else where the
-        blocks left for a later call (same cache, while idle) begin."""
+        stateful layers, up to the first block end missing from `boundary_states`; `image_keys` as `match`'s);
+        0 when done, else where the blocks left for a later call (same cache, while idle) begin."""
         ...
 
     def tick(self, idle: bool, *, quiet: bool = True) -> bool:
@@ -127,7 +132,9 @@ class NoCache:
 
     blocks = BlockSpec()
 
-    def match(self, tokens: list[int], grid: int = 0, *, resumed: bool = False) -> RestorePlan:
+    def match(
+        self, tokens: list[int], grid: int = 0, *, resumed: bool = False, image_keys: ExtraKeys | None = None
+    ) -> RestorePlan:
         return RestorePlan(len(tokens), 0, stores_after_prefill=False, counted=not resumed)
 
     def load(self, plan: RestorePlan, on_ready: Callable[[], None] = lambda: None) -> Loading:
@@ -148,6 +155,7 @@ class NoCache:
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
+        image_keys: ExtraKeys | None = None,
     ) -> int:
         return 0
 

@@ -11,7 +11,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from omlx.cache.block.hashing import model_fingerprint, weights_digest
+from omlx.cache.block.hashing import ExtraKeys, model_fingerprint, weights_digest
 from omlx.cache.block.kinds import CacheKinds, flatten, model_kinds
 from omlx.cache.interface import BlockSpec, Fit, NoCache, PrefixCacheInterface
 from omlx.cache.loader.idle_probe import IdleProbe
@@ -79,8 +79,10 @@ class PrefixCache:
         tiers.fingerprints.add(model_id, fingerprint, size)
 
     # ----- restore ---------------------------------------------------------------------
-    def match(self, tokens: list[int], grid: int = 0, *, resumed: bool = False) -> RestorePlan:
-        return self.planner.match(tokens, self.costs.measured(self.blocks.block_size), grid, resumed)
+    def match(
+        self, tokens: list[int], grid: int = 0, *, resumed: bool = False, image_keys: ExtraKeys | None = None
+    ) -> RestorePlan:
+        return self.planner.match(tokens, self.costs.measured(self.blocks.block_size), grid, resumed, image_keys)
 
     def load(self, plan: RestorePlan, on_ready: Callable[[], None] = lambda: None) -> Loading:
         return self.loader.load(plan, on_ready)
@@ -106,8 +108,11 @@ class PrefixCache:
         final: bool,
         start: int = 0,
         boundary_states: dict[int, Any] | None = None,
+        image_keys: ExtraKeys | None = None,
     ) -> int:
-        return self.saver.store(tokens, cache, final=final, start=start, boundary_states=boundary_states)
+        return self.saver.store(
+            tokens, cache, final=final, start=start, boundary_states=boundary_states, image_keys=image_keys
+        )
 
     # ----- background work and memory ----------------------------------------------------
     def tick(self, idle: bool, *, quiet: bool = True) -> bool:

@@ -435,8 +435,8 @@ class LLMEngine:
         """What an update leaves: sequences to stop, finished ones to store."""
         for state in result.dropped:
             self.runner.drop(state)
-        for tokens, cache, states in result.stores:
-            self.runner.stores.add(tokens, cache, states)
+        for tokens, cache, states, image_keys in result.stores:
+            self.runner.stores.add(tokens, cache, states, image_keys)
 
     def _pause_if_outgrown(self) -> None:
         """When the decoding sequences have outgrown the room, the newest is paused: its cache

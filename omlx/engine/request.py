@@ -58,6 +58,11 @@ class GenerationRequest:
     rewritten_turns: int = 0  # earlier answers the chat template rewrote (the cache's `template` reason)
     created: float = field(default_factory=time.time)
 
+    @property
+    def image_keys(self) -> dict[int, bytes] | None:
+        """Each image's digest at its first token's position: the prefix cache's extra block keys."""
+        return getattr(self.vision, "keys", None) or None
+
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 

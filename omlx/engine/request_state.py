@@ -170,7 +170,7 @@ class Update:
     store now."""
 
     dropped: list[RequestState] = field(default_factory=list)
-    stores: list[tuple[list[int], Any, Any]] = field(default_factory=list)
+    stores: list[tuple[list[int], Any, Any, Any]] = field(default_factory=list)  # (tokens, cache, states, image keys)
     prompt_stores: list[RequestState] = field(default_factory=list)
 
 

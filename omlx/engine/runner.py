@@ -192,7 +192,9 @@ class Runner:
         if found is not None:
             tokens = found[1]
             states = state.captures.with_end(found[0], len(tokens)) if state.captures is not None else None
-            self.stores.add_pending(tokens, found[0], self.prompts.store(tokens, found[0], final=True, boundary_states=states), states)
+            keys = state.request.image_keys
+            start = self.prompts.store(tokens, found[0], final=True, boundary_states=states, image_keys=keys)
+            self.stores.add_pending(tokens, found[0], start, states, keys)
             self.cache.yield_memory((state.prompt_len + state.completion_tokens) * self.budget.bytes_per_token)
 
     def sampling_faults(self, states: list[RequestState]) -> list[tuple[RequestState, Exception]]:
@@ -248,7 +250,7 @@ class Runner:
         req = state.request
         if req.max_tokens <= 0:
             return None
-        state.plan = self.cache.match(req.prompt_tokens, grid=self.quantum)
+        state.plan = self.cache.match(req.prompt_tokens, grid=self.quantum, image_keys=req.image_keys)
         state.loading = self.cache.load(state.plan, lambda: self.on_restored(state))
         if not state.loading.pending:
             return None
@@ -282,7 +284,7 @@ class Runner:
         if req.max_tokens <= 0:
             event = GenerationEvent(finish_reason="length", prompt_tokens=len(tokens), prompt_logprobs=prompt_logprobs)
             return Admitted(Admission.ANSWERED, event=event)
-        state.plan = state.plan or self.cache.match(tokens, grid=self.quantum)  # no read-ahead was asked for
+        state.plan = state.plan or self.cache.match(tokens, grid=self.quantum, image_keys=req.image_keys)  # no read-ahead
         loading, state.loading = state.loading or self.cache.load(state.plan), None
         step = self.config.solo_prefill_step_size if alone else self.config.prefill_step_size
         looked = time.perf_counter()
@@ -349,7 +351,7 @@ class Runner:
         """Insert a paused sequence again: its prompt and the tokens it generated, as far as
         cached, restored; it goes on from its last token."""
         tokens = state.request.prompt_tokens + state.generated
-        plan = self.cache.match(tokens, grid=self.quantum, resumed=True)
+        plan = self.cache.match(tokens, grid=self.quantum, resumed=True, image_keys=state.request.image_keys)
         cache, cached = self.cache.cache_for(self.cache.load(plan))
         cached = min(cached, len(tokens) - 1)
         if cache is not None and plain_kv(cache) and cached < cache[0].offset:  # a stateful one is never trimmed
@@ -401,7 +403,8 @@ class Runner:
         cut()
         if state.store_prompt:  # its prompt's own blocks (a tail keyed by the prompt alone), stored after its end
             state.store_prompt = False
-            self.stores.add(solo.fed[: self.prompts.prompt_stored(state)], solo.cache, self.prompts.states(state))
+            fed = solo.fed[: self.prompts.prompt_stored(state)]
+            self.stores.add(fed, solo.cache, self.prompts.states(state), state.request.image_keys)
         states = state.captures.with_end(solo.cache, len(solo.fed)) if state.captures is not None else None
         return TokenOut(state, token, logprobs, reason, prompt_cache=solo.cache, all_tokens=solo.fed, boundary_states=states)
 

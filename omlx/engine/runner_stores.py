@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from omlx.cache.block.hashing import ExtraKeys
 from omlx.cache.interface import PrefixCacheInterface
 from omlx.cache.plan.tails import MIN_TAIL_ONLY_TOKENS
 from omlx.engine.request_state import RequestState
@@ -28,12 +29,15 @@ class PromptStores:
         self.stateful = cache.blocks.captures_states
 
     def store(
-        self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0, boundary_states: Any = None
+        self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0, boundary_states: Any = None,
+        image_keys: ExtraKeys | None = None,
     ) -> int:
         """Store blocks in the prefix cache; where blocks left for a later call begin (0:
         none). Caching is an optimisation: its failure is logged, never fails the request."""
         try:
-            return self.cache.store(tokens, cache, final=final, start=start, boundary_states=boundary_states) or 0
+            return self.cache.store(
+                tokens, cache, final=final, start=start, boundary_states=boundary_states, image_keys=image_keys
+            ) or 0
         except Exception:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
             return 0
@@ -45,7 +49,7 @@ class PromptStores:
             # so the same prompt finds it again (also after a restart)
             prompt = list(cache_and_tokens[1])[: self.prompt_stored(state)]
             if len(prompt) == self.prompt_stored(state) or state.plan.worth_storing(len(prompt), state.cached_tokens):
-                self.store(prompt, cache_and_tokens[0], final=False, boundary_states=self.states(state))
+                self.store(prompt, cache_and_tokens[0], final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
 
     def prompt_stored(self, state: RequestState) -> int:
         """Tokens of a prompt its store takes: a stateful model's tail ends where its prefill
@@ -60,7 +64,7 @@ class PromptStores:
         if state.store_prompt and (now or state.first_token_out()):
             state.store_prompt = False
             prompt = state.solo.fed[: self.prompt_stored(state)]
-            self.store(prompt, state.solo.cache, final=False, boundary_states=self.states(state))
+            self.store(prompt, state.solo.cache, final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
 
     def store_computed_prompt(self, state: RequestState, due: bool) -> None:
         """A request cancelled keeps what its prompt computed: a prompt store waiting for the
@@ -71,7 +75,7 @@ class PromptStores:
             if solo.prefilling:
                 fed = solo.fed[: state.prompt_len]
                 if state.plan.worth_storing(len(fed), state.cached_tokens):
-                    self.store(fed, solo.cache, final=False, boundary_states=self.states(state))
+                    self.store(fed, solo.cache, final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
             else:
                 self.store_solo_prompt(state, now=True)
         elif due or state.first_token is None:

@@ -338,7 +338,9 @@ class Scheduler:
             elif out.finish_reason is not None:
                 self.finish(state, out.finish_reason)  # the answer goes out first, then the copy work
                 if out.prompt_cache is not None and out.all_tokens is not None:
-                    result.stores.append((list(out.all_tokens), out.prompt_cache, out.boundary_states))
+                    result.stores.append(
+                        (list(out.all_tokens), out.prompt_cache, out.boundary_states, state.request.image_keys)
+                    )
             else:
                 touched.append(state)
         self.output.flush([s for s in touched if s.status is not Status.FINISHED])

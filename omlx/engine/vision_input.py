@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -12,12 +12,14 @@ import numpy as np
 class VisionInput:
     """A prompt's images, ready for the vision tower: `pixel_values` as the model's image
     processor made them (all images' patches, in order), `grid_thw` (n, 3) per image, and where
-    each image's tokens lie in the prompt (`spans`: start, length)."""
+    each image's tokens lie in the prompt (`spans`: start, length); `keys`: each image's digest at
+    its first token's position, the prefix cache's extra block keys."""
 
     pixel_values: np.ndarray
     grid_thw: np.ndarray
     spans: list[tuple[int, int]]
     activation_bytes: int = 0  # the vision tower's estimated peak, which admission reserves too
+    keys: dict[int, bytes] = field(default_factory=dict)
 
     def patches(self, i: int) -> tuple[int, int]:
         """Image `i`'s rows of `pixel_values` (start, end)."""
@@ -35,11 +37,13 @@ class VisionInput:
 class OcrInput:
     """A DeepSeek-OCR prompt's images as mlx-vlm's processor made them (on the engine thread: MLX
     arrays): per image its tiles (None when it is the global view only), its global view (1, 3,
-    1024, 1024) and its tile grid (across, down); where each image's slots lie (`spans`)."""
+    1024, 1024) and its tile grid (across, down); where each image's slots lie (`spans`); `keys` as
+    `VisionInput`'s."""
 
     views: list[tuple[Any, Any, tuple[int, int]]]
     spans: list[tuple[int, int]]
     activation_bytes: int = 0
+    keys: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def end(self) -> int:

@@ -34,24 +34,29 @@ class CacheExplainBody(Lenient):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def explain_on_engine(engine: Any, tokens: list[int], rewritten: int = 0) -> dict[str, Any]:
-    """On the engine's thread: the plan its scheduler would make for `tokens` and its report
-    (`rewritten`: earlier answers the chat template rewrote, as the runner reads it)."""
+def explain_on_engine(
+    engine: Any, tokens: list[int], rewritten: int = 0, image_keys: dict[int, bytes] | None = None
+) -> dict[str, Any]:
+    """On the engine's thread: the plan its scheduler would make for `tokens` (with its images'
+    `image_keys`) and its report (`rewritten`: earlier answers the chat template rewrote, as the
+    runner reads it)."""
     cache = engine.prefix_cache
-    plan = cache.match(tokens, grid=engine.prefill_quantum)
+    plan = cache.match(tokens, grid=engine.prefill_quantum, image_keys=image_keys)
     return {**template_rewrote(explain(plan), rewritten).to_dict(), "plan": plan_dict(plan)}
 
 
-async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, request: Request) -> tuple[list[int], int]:
+async def prompt_tokens(
+    engine: Any, resolved: Any, body: CacheExplainBody, request: Request
+) -> tuple[list[int], int, dict[int, bytes] | None]:
     """The tokens the request would send to the engine: its messages rendered as the chat route
     renders them (the same turn, media policy and turn memory), or its prompt; with how many
-    earlier answers the template rewrote."""
+    earlier answers the template rewrote and its images' keys."""
     if body.messages is not None:
         chat = ChatCompletionRequest(model=body.model, messages=body.messages, tools=body.tools,
                                      tool_choice=body.tool_choice, chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
         turn = chat_turn(chat, media_policy(request, body.model))
         rendered = await render_prompt(engine, resolved, turn, request.app.state.turn_memory)
-        return rendered.tokens, rendered.rewritten
+        return rendered.tokens, rendered.rewritten, getattr(rendered.vision, "keys", None) or None
     if isinstance(body.prompt, str):
         tokens = list(await asyncio.to_thread(engine.tokenizer.encode, body.prompt))
     else:
@@ -61,7 +66,7 @@ async def prompt_tokens(engine: Any, resolved: Any, body: CacheExplainBody, requ
             raise InvalidRequestError(f"prompt has token ids outside the vocabulary (0..{vocab - 1}).", param="prompt")
     if not tokens:
         raise InvalidRequestError("prompt must not be empty.", param="prompt")
-    return tokens, 0
+    return tokens, 0, None
 
 
 @router.post("/cache/explain")
@@ -70,6 +75,6 @@ async def cache_explain(body: CacheExplainBody, request: Request) -> dict[str, A
     if (body.messages is None) == (body.prompt is None):  # before a model is leased (or loaded)
         raise InvalidRequestError("Give exactly one of messages or prompt.", param="messages")
     async with request.app.state.pool.lease(body.model, "llm") as (engine, resolved):
-        tokens, rewritten = await prompt_tokens(engine, resolved, body, request)
-        answer = await engine.call(lambda: explain_on_engine(engine, tokens, rewritten))
+        tokens, rewritten, image_keys = await prompt_tokens(engine, resolved, body, request)
+        answer = await engine.call(lambda: explain_on_engine(engine, tokens, rewritten, image_keys))
         return {"model": resolved.info.id, "prompt_tokens": len(tokens), **answer}

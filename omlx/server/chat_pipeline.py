@@ -216,7 +216,8 @@ async def render_prompt(
     vision = None
     if turn.images:
         prompt, spans = expand(prompt, parts, grid, digests)
-        vision = VisionInput(pixel_values, grid, spans, parts.activation_bytes(grid))
+        keys = {start: digest for (start, _), digest in zip(spans, digests, strict=True)}
+        vision = VisionInput(pixel_values, grid, spans, parts.activation_bytes(grid), keys)
     return RenderedPrompt(prompt, len(recalled), len(rewritten), vision, tools, native)
 
 

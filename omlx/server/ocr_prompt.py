@@ -92,8 +92,10 @@ async def ocr_prompt(
     tokens, spans, views = await engine.call(lambda: tokenize(parts.ocr, text, images))
     if not images:
         return tokens, None
+    keys = {}
     for ref, (start, n) in zip(refs, spans, strict=True):
-        tokens[start : start + n] = keyed_ids(hashlib.sha256(ref.data or b"").digest(), n)
+        keys[start] = hashlib.sha256(ref.data or b"").digest()
+        tokens[start : start + n] = keyed_ids(keys[start], n)
     if spans[-1][0] + spans[-1][1] >= len(tokens):
         raise InvalidRequestError("the prompt must not end with an image.", param="messages")
-    return tokens, OcrInput(views, spans, activation_bytes([v[2] for v in views]))
+    return tokens, OcrInput(views, spans, activation_bytes([v[2] for v in views]), keys)

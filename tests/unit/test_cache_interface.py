@@ -238,3 +238,24 @@ def test_the_plan_is_pure_the_loader_acts_and_nothing_links_the_calls(tmp_path: 
     assert cache.tiers.stats()["requests"] == 3  # each carried-out plan counted once
     cache.close(timeout=1.0)
     cache.tiers.close()
+
+
+def test_an_image_digest_keys_the_block_holding_the_images_first_token_and_all_after(tmp_path: Path) -> None:
+    """Two requests of the same tokens whose images differ (their digests, the extra keys) share the
+    blocks before the block holding an image's first token, and of that block (through the
+    token-level tail index) only the tokens before the image; nothing from there on."""
+    cache = PrefixCache(make_tiers(B, ssd=None), "f" * 64, 2, "m")
+    tokens = list(range(10, 10 + 4 * B + 1))
+    at = 2 * B + 3  # the image starts inside block 2
+    cache.store(tokens, kv(len(tokens)), final=True, image_keys={at: b"circle" * 5})
+    assert cache.match(tokens, image_keys={at: b"circle" * 5}).tokens == 4 * B
+    assert cache.match(tokens, image_keys={at: b"square" * 5}).tokens == at
+    assert cache.match(tokens, image_keys={at + 1: b"circle" * 5}).tokens == at  # where it starts counts too
+    assert cache.match(tokens).tokens == at
+    # a prompt ending inside the image's block: its tail (keyed by tokens and the digest) is found again
+    short = tokens[: at + 6]
+    cache.store(short, kv(len(short)), final=True, image_keys={at: b"circle" * 5})
+    assert cache.match(short + [1], image_keys={at: b"circle" * 5}).tokens == len(short)
+    assert cache.match(short + [1], image_keys={at: b"square" * 5}).tokens == at
+    cache.close(timeout=1.0)
+    cache.tiers.close()

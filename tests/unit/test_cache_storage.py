@@ -110,13 +110,20 @@ def test_block_keys_chain_and_prefix_sharing() -> None:
     assert block_keys(FP, [1] * 32, 16)[1] != block_keys(FP, [2] * 16 + [1] * 16, 16)[1]
 
 
-def test_block_keys_fingerprint_and_extra_keys_change_all() -> None:
+def test_block_keys_fingerprint_changes_all_and_an_extra_key_the_block_holding_it_on() -> None:
     toks = list(range(64))
     k1 = block_keys(FP, toks, 16)
     k2 = block_keys(FP2, toks, 16)
-    k3 = block_keys(FP, toks, 16, extra_keys=b"image-digest")
     assert not set(k1) & set(k2)
-    assert not set(k1) & set(k3)
+    k3 = block_keys(FP, toks, 16, extra_keys={35: b"image-digest"})  # in block 2
+    assert k3[:2] == k1[:2] and not set(k3[2:]) & set(k1)
+    assert block_keys(FP, toks, 16, extra_keys={35: b"other-digest"})[2:] != k3[2:]
+    assert block_keys(FP, toks, 16, extra_keys={36: b"image-digest"})[2] != k3[2]  # where it starts counts
+    assert block_keys(FP, toks, 16, extra_keys={}) == k1
+    # a block's chain key with its extra keys is its block key; the tail keys are its prefixes'
+    assert chain_key(FP, k1[1], toks[32:48], {3: b"image-digest"}) == k3[2]
+    assert tail_keys(FP, k1[1], toks[32:48], {3: b"image-digest"})[-1] == k3[2]
+    assert tail_keys(FP, k1[1], toks[32:48], {3: b"image-digest"})[:3] == tail_keys(FP, k1[1], toks[32:35])
 
 
 def test_block_keys_known_answer() -> None:
@@ -127,10 +134,12 @@ def test_block_keys_known_answer() -> None:
     expected = []
     for i in range(2):
         chunk = struct.pack("<4I", *toks[i * 4 : i * 4 + 4])
-        key = hashlib.sha256(fp.encode() + parent + chunk + b"x").hexdigest()
+        if i == 1:  # the extra key follows its token (position 5), marked by 0xFFFFFFFF and its length
+            chunk = chunk[:8] + struct.pack("<II", 0xFFFFFFFF, 1) + b"x" + chunk[8:]
+        key = hashlib.sha256(fp.encode() + parent + chunk).hexdigest()
         expected.append(key)
         parent = key.encode()
-    assert block_keys(fp, toks, 4, extra_keys=b"x") == expected
+    assert block_keys(fp, toks, 4, extra_keys={5: b"x"}) == expected
 
 
 def test_block_keys_rejects_bad_tokens() -> None:

@@ -705,7 +705,7 @@ def test_an_admission_hashes_its_prompt_once_and_the_plan_carries_its_keys(tmp_p
     cache.costs.bytes_per_token = 2 * LAYERS * 2 * 8 * 4  # measured: the plan looks at the tiers
     hashed: list[list[int]] = []
     real = planner.block_keys
-    monkeypatch.setattr(planner, "block_keys", lambda fp, ids, b: hashed.append(ids) or real(fp, ids, b))
+    monkeypatch.setattr(planner, "block_keys", lambda fp, ids, b, extra=None: hashed.append(ids) or real(fp, ids, b, extra))
     plan = cache.match(tokens)
     _, n = cache.cache_for(cache.load(plan))
     assert n == 4 * B and hashed == [tokens] and plan.keys == tuple(block_keys(FP, tokens, B))

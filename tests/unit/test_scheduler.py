@@ -426,7 +426,7 @@ def test_tokens_become_one_event_per_request_and_finishes_ask_for_stores() -> No
     states = {3: "state"}  # a stateful model's boundary states go with its store
     out = TokenOut(a, 0, finish_reason="stop", prompt_cache="kv", all_tokens=(1, 2, 3, 5), boundary_states=states)
     result = sched.update([out])
-    assert result.stores == [([1, 2, 3, 5], "kv", states)]
+    assert result.stores == [([1, 2, 3, 5], "kv", states, None)]
     (s, event), = sent
     assert s is a and event.finish_reason == "stop" and event.text == "" and event.completion_tokens == 2
     assert a.status is Status.FINISHED and running_ids(sched) == ["b"] and a.generated == [5]

@@ -7,13 +7,18 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["model_fingerprint", "weights_digest", "block_keys", "FINGERPRINT_VERSION"]
+__all__ = ["model_fingerprint", "weights_digest", "block_keys", "ExtraKeys", "FINGERPRINT_VERSION"]
+
+# token position -> bytes mixed into the key of the block holding it (an image's digest at its first token)
+ExtraKeys = Mapping[int, bytes]
 
 # Bump when the meaning of a block payload changes (slicing rules, what a tensor name
 # means...): every fingerprint, hence every key, changes and old blocks can never be served.
@@ -26,6 +31,7 @@ _EDGE_BYTES = 1 << 20  # how much of each end of a weight file is hashed
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 _ROOT = b"root"
 _UINT32 = array.array("I")  # C's unsigned int: 4 bytes on every platform MLX runs on
+_NO_TOKEN = 0xFFFFFFFF  # marks an extra key in a block's message: no token id is this large
 
 
 def model_fingerprint(
@@ -117,11 +123,11 @@ def block_keys(
     fingerprint: str,
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,
-    extra_keys: bytes = b"",
+    extra_keys: ExtraKeys | None = None,
 ) -> list[str]:
-    """Chained hex keys, one per full block of `token_ids`: key_i = sha256(fingerprint ||
-    key_{i-1} (b"root" first) || uint32le(tokens_i) || extra_keys); `extra_keys` (say, an image
-    digest) is mixed into every block."""
+    """Chained hex keys, one per full block: key_i = sha256(fingerprint || key_{i-1} (b"root" first) ||
+    block i's tokens as uint32le, each followed by its extra key if any: `_extra`); an extra key (an
+    image's digest at its first token) changes its block and, through the chain, every later one."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     packed = _pack_tokens(token_ids)
@@ -129,46 +135,80 @@ def block_keys(
     model = fingerprint.encode("ascii")
     stride = 4 * block_size
     view = memoryview(packed)
+    extras = _extras_by_block(extra_keys, block_size) if extra_keys else {}
     keys: list[str] = []
     parent = _ROOT
     sha256 = hashlib.sha256
     for i in range(n_blocks):
         h = sha256(model)
         h.update(parent)
-        h.update(view[i * stride : (i + 1) * stride])
-        if extra_keys:
-            h.update(extra_keys)
+        _update(h, view[i * stride : (i + 1) * stride], extras.get(i))
         key = h.hexdigest()
         keys.append(key)
         parent = key.encode("ascii")
     return keys
 
 
-def tail_keys(fingerprint: str, parent: str | None, token_ids: Sequence[int] | np.ndarray) -> list[str]:
-    """`chain_key(fingerprint, parent, token_ids[:n])` for every n from 1 to len(token_ids),
-    in that order, hashed incrementally: the key's message is a prefix of the next one's, so
-    one pass over the tokens gives them all (a tail search asks for up to 255 of them)."""
+def relative(extra_keys: ExtraKeys | None, start: int, end: int | None = None) -> dict[int, bytes]:
+    """The extra keys of positions `start` to `end` (None: on), counted from `start`."""
+    if not extra_keys:
+        return {}
+    return {p - start: v for p, v in extra_keys.items() if p >= start and (end is None or p < end)}
+
+
+def _extras_by_block(extra_keys: ExtraKeys, block_size: int) -> dict[int, dict[int, bytes]]:
+    out: dict[int, dict[int, bytes]] = {}
+    for position, value in extra_keys.items():
+        if position < 0:
+            raise ValueError(f"an extra key's position must not be negative, got {position}")
+        block, at = divmod(position, block_size)
+        out.setdefault(block, {})[at] = value
+    return out
+
+
+def _extra(value: bytes) -> bytes:
+    """An extra key as a block's message holds it: 0xFFFFFFFF (no token id) and its length, uint32le."""
+    return struct.pack("<II", _NO_TOKEN, len(value)) + value
+
+
+def _update(h: Any, packed: memoryview, extras: Mapping[int, bytes] | None) -> None:
+    """`packed` tokens into `h`, each followed by its extra key (`extras`: position in `packed` → bytes)."""
+    if not extras:
+        h.update(packed)
+        return
+    at = 0
+    for position in sorted(p for p in extras if 4 * p < len(packed)):
+        h.update(packed[at : 4 * (position + 1)])
+        h.update(_extra(extras[position]))
+        at = 4 * (position + 1)
+    h.update(packed[at:])
+
+
+def tail_keys(
+    fingerprint: str, parent: str | None, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys | None = None
+) -> list[str]:
+    """`chain_key(fingerprint, parent, token_ids[:n], extra_keys)` for every n from 1 to len(token_ids),
+    hashed incrementally: each key's message is a prefix of the next one's (a tail search asks for
+    up to 255 of them in one pass)."""
     packed = memoryview(_pack_tokens(token_ids))
     h = hashlib.sha256(fingerprint.encode("ascii"))
     h.update(parent.encode("ascii") if parent else _ROOT)
     keys = []
     for i in range(0, len(packed), 4):
         h.update(packed[i : i + 4])
+        if extra_keys and i // 4 in extra_keys:
+            h.update(_extra(extra_keys[i // 4]))
         keys.append(h.copy().hexdigest())
     return keys
 
 
 def chain_key(
-    fingerprint: str,
-    parent: str | None,
-    token_ids: Sequence[int] | np.ndarray,
-    extra_keys: bytes = b"",
+    fingerprint: str, parent: str | None, token_ids: Sequence[int] | np.ndarray, extra_keys: ExtraKeys | None = None
 ) -> str:
-    """The key of one block of any length after `parent`, by `block_keys`' formula: a full
-    block's key is `block_keys`' own, and a shorter run never collides with one."""
+    """The key of one block of any length after `parent` (`extra_keys` counted from its first
+    token), by `block_keys`' formula: a full block's key is `block_keys`' own, and a shorter run
+    never collides with one."""
     h = hashlib.sha256(fingerprint.encode("ascii"))
     h.update(parent.encode("ascii") if parent else _ROOT)
-    h.update(_pack_tokens(token_ids))
-    if extra_keys:
-        h.update(extra_keys)
+    _update(h, memoryview(_pack_tokens(token_ids)), extra_keys)
     return h.hexdigest()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from omlx.cache.block.hashing import block_keys
+from omlx.cache.block.hashing import ExtraKeys, block_keys, relative
 from omlx.cache.plan.restore_plan import MissFacts, Tier
 from omlx.cache.plan.tail_index import TailIndex
 
@@ -33,6 +33,7 @@ def look(
     blocks: int,
     block_size: int,
     tail_tokens: int,
+    image_keys: ExtraKeys | None = None,
 ) -> MissFacts:
     """The facts where `blocks` full blocks of the prompt `tokens` (chain `keys`) and `tail_tokens` of a tail
     are restored, its blocks keyed by `fingerprint`; none to read when all but the last token are."""
@@ -40,7 +41,7 @@ def look(
     if n + tail_tokens >= len(tokens) - 1:
         return MissFacts()
     parent = keys[blocks - 1] if blocks else None
-    best = tails.best(parent, tokens[n:])
+    best = tails.best(parent, tokens[n:], relative(image_keys, n))
     shared, held, length = 0, False, 0
     if best is not None:
         shared, key, length = best
@@ -51,7 +52,7 @@ def look(
     other = False
     if not blocks and not tail_tokens:
         for fp, size in others():
-            if len(tokens) > size and view.tier_of(block_keys(fp, tokens[:size], size)[0], fp) is not None:
+            if len(tokens) > size and view.tier_of(block_keys(fp, tokens[:size], size, image_keys)[0], fp) is not None:
                 other = True
                 break
     return MissFacts(shared, held, length, next_evicted, other)

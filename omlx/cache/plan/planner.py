@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from omlx.cache.block.hashing import block_keys
+from omlx.cache.block.hashing import ExtraKeys, block_keys
 from omlx.cache.plan import decide, miss_facts
 from omlx.cache.plan.decide import Costs, Rate
 from omlx.cache.plan.restore_plan import MissFacts, RestorePlan, Run, Tier, Verdict
@@ -69,23 +69,29 @@ class Planner:
     tails: TailIndex = field(default_factory=TailIndex)
     others: miss_facts.OtherBuilds = list  # this model's other builds (a miss's `fingerprint` reason)
 
-    def match(self, tokens: list[int], measured: Measured, grid: int = 0, resumed: bool = False) -> RestorePlan:
+    def match(
+        self, tokens: list[int], measured: Measured, grid: int = 0, resumed: bool = False,
+        image_keys: ExtraKeys | None = None,
+    ) -> RestorePlan:
         """The plan for `tokens` (at least one token is left to compute); `grid`: the engine's prefill
-        grid, a restored prefix is used only up to a multiple of it; `resumed`: not a new request's."""
+        grid, a restored prefix is used only up to a multiple of it; `resumed`: not a new request's;
+        `image_keys`: `block_keys`' extra keys (tails are keyed by their tokens alone)."""
         size, limit = self.block_size, len(tokens) - 1
-        keys = block_keys(self.fingerprint, tokens, size)
+        keys = block_keys(self.fingerprint, tokens, size, image_keys)
         chain = Chain(keys[: max(0, limit) // size], size, self.kv_only)
         runs = plan_runs(self.view, self.fingerprint, chain, measured)
         blocks = sum(run.blocks for run in runs if run.verdict.restore)
         skipped = any(not run.verdict.restore for run in runs)
         tails = find_tails(
             self.view, self.tails, self.fingerprint, tokens, keys[:blocks], size, grid,
-            device_only=skipped, whole=self.whole_tails,
+            device_only=skipped, whole=self.whole_tails, image_keys=image_keys,
         )  # fmt: skip
         facts = MissFacts()  # a run judged not to pay is the reason: nothing else to read
         if not skipped:
             used = tails[0].tokens if tails else 0
-            facts = miss_facts.look(self.view, self.tails, self.others, self.fingerprint, tokens, keys, blocks, size, used)
+            facts = miss_facts.look(
+                self.view, self.tails, self.others, self.fingerprint, tokens, keys, blocks, size, used, image_keys
+            )
         ram_only = self.view.has_ram() and measured.block_bytes > 0 and not self.view.device_can_hold(measured.block_bytes)
         return RestorePlan(
             len(tokens), size, tuple(keys), runs, tails, self.kv_only, measured.costs.prefill,

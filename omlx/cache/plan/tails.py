@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from omlx.cache.block.hashing import tail_keys
+from omlx.cache.block.hashing import ExtraKeys, relative, tail_keys
 from omlx.cache.plan.restore_plan import Tail, Tier
 from omlx.cache.plan.tail_index import TailIndex
 
@@ -35,9 +35,11 @@ def find_tails(
     *,
     device_only: bool = False,
     whole: bool = False,
+    image_keys: ExtraKeys | None = None,
 ) -> tuple[Tail, ...]:
-    """The tails after the full blocks `keys` that the prompt `tokens` could use, best first; `device_only`
-    after a run judged not to pay (a tail must not fetch what was just judged slower than recomputing)."""
+    """The tails after the full blocks `keys` that the prompt `tokens` (with its `image_keys`) could use,
+    best first; `device_only` after a run judged not to pay (a tail must not fetch what was just judged
+    slower than recomputing)."""
     limit, n = len(tokens) - 1, len(keys) * block_size
     reach = grid - n % grid if grid else 1  # a tail that cannot reach the grid would be dropped: not fetched
     if limit - n < reach or reach >= block_size:
@@ -45,7 +47,8 @@ def find_tails(
     rest = tokens[n:limit] if whole else tokens[n:]
     parent = keys[-1] if keys else None
     found: list[tuple[int, int, str, Tier]] = []  # (tokens shared, exact first, key, tier)
-    exact = tail_keys(fingerprint, parent, rest[: block_size - 1])
+    extras = relative(image_keys, n)
+    exact = tail_keys(fingerprint, parent, rest[: block_size - 1], extras)
     held = view.held(exact)
     for length in range(len(exact), 0, -1):
         key = exact[length - 1]
@@ -55,7 +58,7 @@ def find_tails(
             break
     if not whole:
         best = found[0][0] if found else 0
-        for shared, key in index.candidates(parent, rest):
+        for shared, key in index.candidates(parent, rest, extras):
             if shared <= best:
                 break
             tier = view.tier_of(key, fingerprint, device_only)

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from omlx.cache.block import layer_states
-from omlx.cache.block.hashing import block_keys, chain_key
+from omlx.cache.block.hashing import ExtraKeys, block_keys, chain_key, relative
 from omlx.cache.block.kinds import flatten
 from omlx.cache.plan.restore_model import RestoreModel
 from omlx.cache.plan.tail_index import TailIndex
@@ -39,21 +39,22 @@ class Saver:
         return self.cutter.block_size
 
     def store(
-        self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0, boundary_states: dict[int, Any] | None = None
+        self, tokens: list[int], cache: list[Any], *, final: bool, start: int = 0,
+        boundary_states: dict[int, Any] | None = None, image_keys: ExtraKeys | None = None,
     ) -> int:
         """Store every full block not cached yet and the unfinished tail as a partial block, from token `start`
         on; 0 when done, else where the blocks left for a later call begin (`tokens` past what `cache` holds
         are cut, but a cache of recurrent layers alone cannot tell: cache-kinds.md)."""
         held = cache_length(cache, len(tokens))
         tokens = tokens[: min(len(tokens), held)]
-        keys = block_keys(self.cutter.fingerprint, tokens, self.block_size)
+        keys = block_keys(self.cutter.fingerprint, tokens, self.block_size, image_keys)
         generation = self.tiers.directory.generation  # what is stored before a clear is not written back
         # a block the hot tier cannot hold would be made only to go straight to RAM: when RAM holds it, none is made
         ram_is_enough = self.only_ram_keeps_blocks()
         known = self._known(ram_is_enough)
         if start and keys and not (known(keys[0]) or self._kv_only_copy(keys[0])):  # cleared, or let go meanwhile
             return 0
-        chain, new = self._chain_and_new(tokens, keys, start, known)
+        chain, new = self._chain_and_new(tokens, keys, start, known, image_keys)
         rest = 0
         if final and ram_is_enough:  # each piece a bounded copy to RAM
             per_call = max(1, write_back.WRITE_BACK_CHUNK // max(1, self.costs.restore_bytes(self.block_size) or kv_bytes_per_block(cache, self.block_size)))
@@ -65,15 +66,18 @@ class Saver:
         if not new:
             self.tiers.touch_chain(chain)
             return 0
-        self._put(tokens, chain, new, self.cutter.cut(cache, new, states), generation)
+        self._put(tokens, chain, new, self.cutter.cut(cache, new, states), generation, image_keys)
         self.tiers.touch_chain(chain)
         return rest
 
-    def _put(self, tokens: list[int], chain: list[str], new: list[Spec], blocks: list[Any], generation: int) -> None:
+    def _put(
+        self, tokens: list[int], chain: list[str], new: list[Spec], blocks: list[Any], generation: int,
+        image_keys: ExtraKeys | None = None,
+    ) -> None:
         """New blocks into device memory, deepest first, each pushing out none of its ancestors (a chain longer
         than the hot tier keeps its first blocks, as a prefix tree evicts leaves), then waiting for the writer."""
         for key, parent, a, b in new:
-            self.tails.remember(parent, key, tokens[a:b])
+            self.tails.remember(parent, key, tokens[a:b], relative(image_keys, a, b))
         mx.eval([t for b in blocks for t in b.tensors.values()])
         if self.tiers.ssd is not None:
             self.write_back.await_write(blocks, generation)
@@ -97,7 +101,8 @@ class Saver:
         return known
 
     def _chain_and_new(
-        self, tokens: list[int], keys: list[str], start: int, known: Callable[[str], bool]
+        self, tokens: list[int], keys: list[str], start: int, known: Callable[[str], bool],
+        image_keys: ExtraKeys | None = None,
     ) -> tuple[list[str], list[Spec]]:
         """The chain of `tokens`' keys (full blocks, then the partial tail's), and the (key, parent, start,
         end) of each block from token `start` on not `known` yet."""
@@ -110,7 +115,7 @@ class Saver:
         tail = len(keys) * size
         if tail < len(tokens):
             parent = keys[-1] if keys else None
-            key = chain_key(self.cutter.fingerprint, parent, tokens[tail:])
+            key = chain_key(self.cutter.fingerprint, parent, tokens[tail:], relative(image_keys, tail))
             chain.append(key)
             if not known(key):
                 new.append((key, parent, tail, len(tokens)))
