@@ -252,7 +252,7 @@ class OutputParser:
             elif self._mode == _JSON:
                 self._warn_if_call(self._acc_text(), "a JSON tool call")
                 self._release_candidate()
-            elif self._mode == _FENCED:
+            elif self._mode == _FENCED and not self._close_fence():
                 self._warn_if_call(self._acc_text(), "a fenced tool call")
                 self._emit_text_verbatim(self._held_ws + self._acc_text())
                 self._held_ws = ""
@@ -719,6 +719,20 @@ class OutputParser:
             self._emit_text_verbatim(self._held_ws + whole)
             self._held_ws = ""
         self._buf = rest + self._buf
+        return True
+
+    def _close_fence(self) -> bool:
+        """At the end: a call fence whose closing backticks are missing or cut short is closed when
+        its body is a complete call (as an unclosed envelope is); whether it was."""
+        if self._fence_body < 0:
+            return False
+        body = self._acc_text()[self._fence_body :].rstrip().rstrip("`").rstrip()
+        calls = self._fence_calls(body) if body.endswith(_FINISHED) else None
+        if not calls:
+            return False
+        self._mode = _TEXT
+        self._acc_reset()
+        self._emit_calls(calls)
         return True
 
     def _fence_calls(self, body: str) -> list[ToolCall] | None:

@@ -200,6 +200,12 @@ SYNTHETIC: list[Case] = [
          [call("get_weather", "{location: Paris}")], ["tool_arguments_invalid"]),
     _verbatim("bare-json-cut-inside-a-call", None, '{"name": "get_weather", "arguments": {"loc',
               ["tool_call_unclosed"], "length"),
+    # a call fence left open (or its closing backticks cut short) at the end is closed when its body is a call
+    Case("fenced-json-closing-fence-cut", "hermes",
+         '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "location": "Paris"\n  }\n}\n`',
+         [call("get_weather", {"location": "Paris"})]),
+    Case("fenced-json-never-closed", "hermes", 'Calling it.\n```json\n{"name": "get_time", "arguments": {}}\n',
+         [text("Calling it."), call("get_time")]),
     _verbatim("fenced-json-cut-inside-a-call", "hermes", '```json\n{"name": "get_weather", "arguments": {"loc',
               ["tool_call_unclosed"], "length"),
     _verbatim("json-answer-is-not-a-call", "hermes", '{"city": "Paris", "temp": 21}'),
