@@ -314,10 +314,12 @@ class SSDTier:
                 unlink(tmp)
                 self._write_failed(block.key, exc)
                 return
-            with self._lock:
+            with self._lock:  # added and the budget restored in one step: no reader sees it exceeded
                 self._index.add(block.key, size, block.fingerprint)  # replaces one a hit raced in
                 self._counters["writes"] += 1
-            self._evict()
+                evicted = self._over_budget()
+            for key in evicted:
+                unlink(self.path_for(key))
 
     def _write_failed(self, key: str, exc: BaseException) -> None:
         with self._lock:
@@ -355,13 +357,20 @@ class SSDTier:
 
     def _evict(self) -> None:
         """Delete least recently used files until the byte budget holds."""
-        while True:
-            with self._lock:
-                if self._index.bytes <= self._max_bytes or not self._index:
-                    return
-                key, _ = self._index.pop_oldest()
-                self._counters["evictions"] += 1
+        with self._lock:
+            evicted = self._over_budget()
+        for key in evicted:
             unlink(self.path_for(key))
+
+    def _over_budget(self) -> list[str]:
+        """Take the least recently used entries out of the index until the byte budget holds (under
+        `_lock`); their files are the caller's to delete."""
+        evicted = []
+        while self._index.bytes > self._max_bytes and self._index:
+            key, _ = self._index.pop_oldest()
+            self._counters["evictions"] += 1
+            evicted.append(key)
+        return evicted
 
     # ------------------------------------------------------------------ writer thread
 
