@@ -311,14 +311,20 @@ class OutputParser:
         if salvage_calls(text.lstrip("`").removeprefix("json").removeprefix("tool_call"), self._names):
             self._warn("tool_call_unclosed", f"The output ended inside {what}; it is returned as text.")
 
+    def _warn_problems(self, calls: list[ToolCall] | None) -> None:
+        for call in calls or []:
+            if call.problem:
+                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+
     def _unknown_tool_calls(self, text: str) -> list[ToolCall] | None:
         """A call-shaped JSON answer naming a tool that was not offered: a call all the same.
 
         Strictly call-shaped only - every item an object of ``name`` (one line, any characters:
         small models write "Read greet.py") plus ``arguments`` or ``parameters`` (an object or a
-        JSON string) and at most ``id``/``type`` besides - and never under a requested output format. Returned as a call, the client tells the model
-        the tool does not exist and the agent loop goes on; as text, it would end the turn as
-        the answer. ``tool_call_unknown_tool`` names it."""
+        JSON string) and at most ``id``/``type`` besides - and never under a requested output
+        format. Returned as a call, the client tells the model the tool does not exist and the
+        agent loop goes on; as text, it would end the turn as the answer. ``tool_call_unknown_tool``
+        names it."""
         if not self._unknown_calls:
             return None
         try:
@@ -335,9 +341,7 @@ class OutputParser:
             return None
         self._warn("tool_call_unknown_tool", f"The model called '{unknown[0][:64]}', which is not among the "
                    "offered tools; it is returned as a tool call for the client to report.")  # fmt: skip
-        for call in calls:
-            if call.problem:
-                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+        self._warn_problems(calls)
         return calls
 
     def _make_calls(self, parsed: Any, known: set[str] | None = None, names: re.Pattern = _CALL_NAME) -> list[ToolCall] | None:
@@ -362,9 +366,7 @@ class OutputParser:
     def _salvaged(self, text: str) -> list[ToolCall] | None:
         """Calls no parser could read, with their arguments as generated (see the module notes)."""
         calls = self._make_calls(salvage_calls(text, self._names), known=self._names)
-        for call in calls or []:
-            if call.problem:
-                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+        self._warn_problems(calls)
         return calls
 
     # ---------------------------------------------------------------- text
@@ -570,9 +572,7 @@ class OutputParser:
             calls = self._make_calls(markup.parse(inner, self._tools))
         except Exception:  # mlx-lm parsers raise assorted errors on malformed text
             calls = None
-        for call in calls or []:
-            if call.problem:
-                self._warn("tool_arguments_invalid", f"Tool call '{call.name}': {call.problem}.")
+        self._warn_problems(calls)
         complete = closed or not markup.end  # end-less markup runs to the end of the output
         if calls and not complete and not inner.rstrip().endswith(_FINISHED):
             calls = None  # cut inside a value: what the lenient parsers read of it is not the call

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from omlx.engine.vision_input import image_keys
+
 _ids = itertools.count(1)
 
 
@@ -61,7 +63,7 @@ class GenerationRequest:
     @property
     def image_keys(self) -> dict[int, bytes] | None:
         """Each image's digest at its first token's position: the prefix cache's extra block keys."""
-        return getattr(self.vision, "keys", None) or None
+        return image_keys(self.vision)
 
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]

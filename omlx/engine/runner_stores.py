@@ -42,6 +42,10 @@ class PromptStores:
             log.exception("storing prefix-cache blocks for %s failed", self.model_id)
             return 0
 
+    def _store_of(self, state: RequestState, tokens: list[int], cache: list[Any]) -> None:
+        """Store what `state`'s sequence computed of `tokens` so far (not final: the engine goes on)."""
+        self.store(tokens, cache, final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
+
     def store_batch_prompt(self, state: RequestState) -> None:
         cache_and_tokens = self.extract(state)
         if cache_and_tokens is not None:
@@ -49,7 +53,7 @@ class PromptStores:
             # so the same prompt finds it again (also after a restart)
             prompt = list(cache_and_tokens[1])[: self.prompt_stored(state)]
             if len(prompt) == self.prompt_stored(state) or state.plan.worth_storing(len(prompt), state.cached_tokens):
-                self.store(prompt, cache_and_tokens[0], final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
+                self._store_of(state, prompt, cache_and_tokens[0])
 
     def prompt_stored(self, state: RequestState) -> int:
         """Tokens of a prompt its store takes: a stateful model's tail ends where its prefill
@@ -64,7 +68,7 @@ class PromptStores:
         if state.store_prompt and (now or state.first_token_out()):
             state.store_prompt = False
             prompt = state.solo.fed[: self.prompt_stored(state)]
-            self.store(prompt, state.solo.cache, final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
+            self._store_of(state, prompt, state.solo.cache)
 
     def store_computed_prompt(self, state: RequestState, due: bool) -> None:
         """A request cancelled keeps what its prompt computed: a prompt store waiting for the
@@ -75,7 +79,7 @@ class PromptStores:
             if solo.prefilling:
                 fed = solo.fed[: state.prompt_len]
                 if state.plan.worth_storing(len(fed), state.cached_tokens):
-                    self.store(fed, solo.cache, final=False, boundary_states=self.states(state), image_keys=state.request.image_keys)
+                    self._store_of(state, fed, solo.cache)
             else:
                 self.store_solo_prompt(state, now=True)
         elif due or state.first_token is None:

@@ -49,3 +49,9 @@ class OcrInput:
     def end(self) -> int:
         """The index after the last image token."""
         return max(s + n for s, n in self.spans) if self.spans else 0
+
+
+def image_keys(vision: VisionInput | OcrInput | None) -> dict[int, bytes] | None:
+    """A prompt's image keys (None: no images): the prefix cache's extra block keys."""
+    return (vision.keys or None) if vision is not None else None
+

@@ -14,6 +14,7 @@ from pydantic import Field
 from omlx.api.openai_models import ChatCompletionRequest, ChatMessage
 from omlx.api.wire import Lenient
 from omlx.cache.plan.why import explain, plan_dict, template_rewrote
+from omlx.engine.vision_input import image_keys
 from omlx.errors import InvalidRequestError
 from omlx.server.chat_pipeline import render_prompt
 from omlx.server.openai_chat import chat_turn
@@ -56,7 +57,7 @@ async def prompt_tokens(
                                      tool_choice=body.tool_choice, chat_template_kwargs=body.chat_template_kwargs)  # fmt: skip
         turn = chat_turn(chat, media_policy(request, body.model))
         rendered = await render_prompt(engine, resolved, turn, request.app.state.turn_memory)
-        return rendered.tokens, rendered.rewritten, getattr(rendered.vision, "keys", None) or None
+        return rendered.tokens, rendered.rewritten, image_keys(rendered.vision)
     if isinstance(body.prompt, str):
         tokens = list(await asyncio.to_thread(engine.tokenizer.encode, body.prompt))
     else:

@@ -75,7 +75,7 @@ class Planner:
     ) -> RestorePlan:
         """The plan for `tokens` (at least one token is left to compute); `grid`: the engine's prefill
         grid, a restored prefix is used only up to a multiple of it; `resumed`: not a new request's;
-        `image_keys`: `block_keys`' extra keys (tails are keyed by their tokens alone)."""
+        `image_keys`: `block_keys`' extra keys (each image's digest at its first token)."""
         size, limit = self.block_size, len(tokens) - 1
         keys = block_keys(self.fingerprint, tokens, size, image_keys)
         chain = Chain(keys[: max(0, limit) // size], size, self.kv_only)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
+from types import MappingProxyType
 
 MAX_PARENTS = 50_000  # ~1 KB per entry
 MAX_SIBLINGS = 16
+_NO_EXTRAS: Mapping[int, bytes] = MappingProxyType({})  # most children: text only
 
 
 class TailIndex:
@@ -22,7 +24,7 @@ class TailIndex:
         siblings = self._children.setdefault(parent or "", [])
         self._children.move_to_end(parent or "")
         if all(k != key for k, _, _ in siblings):
-            siblings.append((key, tuple(tokens), dict(extras or {})))
+            siblings.append((key, tuple(tokens), dict(extras) if extras else _NO_EXTRAS))
             del siblings[:-MAX_SIBLINGS]
         while len(self._children) > MAX_PARENTS:
             self._children.popitem(last=False)
@@ -54,10 +56,13 @@ def shared_prefix(
 ) -> int:
     """Tokens `a` and `b` share from the start, up to the first position whose extra keys differ."""
     n = common_prefix(a, b)
-    for position in sorted({*a_extras, *(b_extras or {})}):
+    if not a_extras and not b_extras:
+        return n
+    b_extras = b_extras or _NO_EXTRAS
+    for position in sorted({*a_extras, *b_extras}):
         if position >= n:
             break
-        if a_extras.get(position) != (b_extras or {}).get(position):
+        if a_extras.get(position) != b_extras.get(position):
             return position
     return n
 
