@@ -75,12 +75,13 @@ class Loader:
                 log.exception("reading prefix-cache blocks of %s ahead failed", self.costs.model_id)
             if loading.reads:
                 when_all_done(loading.reads, on_ready)
-                loading.watch = self._watch(loading.reads, ssd, plan)
+                loading.watch = self._watch(loading.reads, ssd, plan, on_ready)
         return loading
 
-    def _watch(self, reads: list[Any], run: Run, plan: RestorePlan) -> ReadWatch | None:
+    def _watch(self, reads: list[Any], run: Run, plan: RestorePlan, on_cut: Callable[[], None]) -> ReadWatch | None:
         """A `ReadWatch` judging the reads of `run` again by the plan's own estimate (None where the plan
-        cannot tell what recomputing costs): a read-ahead judged on a wrong rate is cut short."""
+        cannot tell what recomputing costs): a read-ahead judged on a wrong rate is cut short, and
+        `on_cut` says so at once (the reads under way then finish unwaited for)."""
         size, depth = self.block_size, run.first * self.block_size
         rest = [plan.recompute_seconds((len(reads) - k) * size, depth + k * size) for k in range(len(reads) + 1)]
         if any(s is None for s in rest):
@@ -88,7 +89,7 @@ class Loader:
         block_bytes = self.costs.bytes_per_token * size if self.kv_only else self.costs.restore_bytes(size)
         watch = ReadWatch(
             reads, block_bytes, rest, workers=self.tiers.ssd.read_workers, expected_rate=run.verdict.rate,
-            upload_rate=self.costs.ram_move_rate.value, on_cut=lambda: None,
+            upload_rate=self.costs.ram_move_rate.value, on_cut=on_cut,
         )  # fmt: skip
         watch.begin()
         return watch
@@ -218,8 +219,8 @@ class Loader:
             return [], False
         read_s = [0.0]
         source = self.reads.ssd_source(ahead, seconds_per_byte, read_s) if run.tier is Tier.SSD else self.reads.ram_source(run.move)
-        if run.tier is Tier.SSD and loading.cut:  # what was read, then recompute
-            read = list(itertools.takewhile(lambda k: k in ahead, run.keys))
+        if run.tier is Tier.SSD and loading.cut:  # what was read, where moving it in pays, then recompute
+            read = self._worth_moving(list(itertools.takewhile(lambda k: k in ahead, run.keys)), run, loading.plan, ahead)
             got, seconds = self.reads.fetch(read, source, chain)
             if got:
                 charges.append(Charge(rate, sum(b.nbytes for b in got), seconds + read_s[0]))
@@ -232,6 +233,15 @@ class Loader:
         if more:
             charges.append(Charge(self._charged_rate(run), sum(b.nbytes for b in more), seconds + read_s[0]))
         return got + more, True
+
+    def _worth_moving(self, keys: list[str], run: Run, plan: RestorePlan, ahead: dict[str, HostBlock]) -> list[str]:
+        """`keys`, the first blocks of `run` a cut read-ahead read, where moving them into device memory
+        pays against recomputing them (`decide.takes_what_was_read`), else none."""
+        if not keys:
+            return keys
+        recompute = plan.recompute_seconds(len(keys) * self.block_size, run.first * self.block_size)
+        nbytes = sum(ahead[key].nbytes for key in keys)
+        return keys if decide.takes_what_was_read(nbytes, self.costs.ram_move_rate.value, recompute) else []
 
     def _moved_ahead(self, run: Run, loading: Loading) -> list[CacheBlock]:
         """A RAM run's first blocks that `advance` moved (or found) in device memory, up to the first not."""

@@ -88,3 +88,9 @@ def next_probe_group(seconds: float, done: int, group: int, budget: float) -> bo
 def keeps_reading(rest_s: float, recompute_s: float) -> bool:
     """Whether reads under way go on: the blocks left restore no slower than recomputing them."""
     return rest_s <= KEEP_READING_MARGIN * recompute_s
+
+
+def takes_what_was_read(nbytes: int, move_rate: float | None, recompute_s: float | None) -> bool:
+    """Whether the `nbytes` a cut read-ahead had read are restored: moving them into device memory
+    costs no more than recomputing them (either side unknown: they are)."""
+    return not move_rate or recompute_s is None or nbytes / move_rate <= recompute_s
