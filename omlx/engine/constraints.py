@@ -143,14 +143,23 @@ class ConstraintState:
         if phase is Phase.REASONING:
             # the answer must come: the output may not end inside reasoning
             return Rule(Rule.BUT, self.constraint.eos_ids) if self.matcher is not None else None
+        banned = self._banned()
         if phase is Phase.OPENING:
             start = self.constraint.reasoning.start  # type: ignore[union-attr]
             if self.matcher is None:
-                return None
-            return Rule(Rule.GRAMMAR, (start,))
+                return Rule(Rule.BUT, banned) if banned else None
+            return Rule(Rule.GRAMMAR, () if banned else (start,))
         if phase is Phase.ANSWER:
             return Rule(Rule.GRAMMAR)
-        return None
+        return Rule(Rule.BUT, banned) if banned else None
+
+    def _banned(self) -> tuple[int, ...]:
+        """A budget of 0 allows no reasoning at all: its opening token may never come (a model that
+        opened it anyway would get an empty block forced, or reason after its forced end)."""
+        reasoning = self.constraint.reasoning
+        if reasoning is None or reasoning.budget != 0 or reasoning.start is None:
+            return ()
+        return (reasoning.start,)
 
 
 def fill_words(words: np.ndarray, rule: Rule, matcher: Any) -> None:

@@ -75,9 +75,9 @@ def reasoning_for(tokenizer: Any, starts_in_reasoning: bool, budget: int | None,
     end = tuple(getattr(tokenizer, "think_end_tokens", None) or ())
     if not getattr(tokenizer, "has_thinking", False) or not end or (budget is None and not grammar):
         return None
-    if starts_in_reasoning:
-        return Reasoning(end, open=True, budget=budget)
     start = tuple(getattr(tokenizer, "think_start_tokens", None) or ())
+    if starts_in_reasoning:
+        return Reasoning(end, open=True, start=start[0] if len(start) == 1 else None, budget=budget)
     return Reasoning(end, open=False, start=start[0], budget=budget) if len(start) == 1 else None
 
 

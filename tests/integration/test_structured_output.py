@@ -304,6 +304,13 @@ def test_thinking_budgets_force_the_end_of_reasoning_then_the_answer(oai, claude
     resp = oai.responses.create(model=THINKER, input="Think, then answer.", max_output_tokens=4, reasoning={"effort": "none"},
                                 **GREEDY)
     assert [o.type for o in resp.output] == ["message"]
+    # a budget of 0 is no reasoning at all: a model that would open a second block after the forced
+    # end (here pushed to by a bias on <think>, the tiny tokenizer's id 3) may not
+    again = oai.chat.completions.create(model=THINKER, messages=think, max_tokens=6, logprobs=True, **GREEDY,
+                                        logit_bias={"3": 100}, extra_body={"thinking_budget": 0})
+    tokens = [t.token for t in again.choices[0].logprobs.content]
+    assert tokens[0] == "</think>" and "<think>" not in tokens, tokens
+    assert not again.choices[0].message.model_extra.get("reasoning_content")
     schema = {"type": "object", "properties": {"ok": {"enum": ["yes", "no"]}}, "required": ["ok"]}
     held = oai.chat.completions.create(model=THINKER, messages=think, max_tokens=40, **GREEDY,
                                        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},

@@ -177,6 +177,27 @@ def test_reasoning_that_ends_on_its_own_is_not_forced_and_a_grammar_waits_for_it
     assert opening.phase is Phase.REASONING
 
 
+def test_a_budget_of_zero_never_lets_reasoning_open() -> None:
+    # thinking off (the chat's `thinking_budget: 0`): before, a model that opened reasoning anyway
+    # (or again, after its forced end) reasoned on, and the chat showed a thinking block
+    free = state(Reasoning(end=(7,), open=False, start=6, budget=0))
+    assert free.allowed() == Rule(Rule.BUT, (6,))
+    free.advance(10)
+    assert free.phase is Phase.FREE and free.allowed() == Rule(Rule.BUT, (6,))  # nor later in the answer
+    held = state(Reasoning(end=(7,), open=False, start=6, budget=0), grammar=True)
+    assert held.allowed() == Rule(Rule.GRAMMAR)  # the grammar's tokens alone
+    assert state(Reasoning(end=(7,), open=False, start=6, budget=1)).allowed() is None
+    # a prompt that opened reasoning: the end forced at once, and no second block after it
+    opened = state(Reasoning(end=(7,), open=True, start=6, budget=0))
+    assert opened.allowed() == Rule(Rule.ONLY, (7,))
+    opened.advance(7)
+    assert opened.phase is Phase.FREE and opened.allowed() == Rule(Rule.BUT, (6,))
+    spent = state(Reasoning(end=(7,), open=True, start=6, budget=1))  # a budget above 0 limits one block only
+    spent.advance(10)
+    spent.advance(7)
+    assert spent.phase is Phase.FREE and spent.allowed() is None
+
+
 def test_a_complete_grammar_allows_every_eos_id_and_nothing_else(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
