@@ -29,8 +29,9 @@ class ConstraintError(Exception):
 @dataclass(frozen=True)
 class Reasoning:
     """How the model reasons before it answers: `end` is its end-of-reasoning marker (token ids);
-    `open`: the prompt left the output inside reasoning; else `start`, a single token the output
-    may open reasoning with; `budget`: reasoning tokens before `end` is forced (None: no limit)."""
+    `open`: the prompt left the output inside reasoning; `start`: the single token that opens
+    reasoning (None: it takes several), which the output may begin with where not `open` and which
+    a budget of 0 bans; `budget`: reasoning tokens before `end` is forced (None: no limit)."""
 
     end: tuple[int, ...]
     open: bool = True
