@@ -87,6 +87,10 @@ class ConstraintState:
         self.recent: list[int] = []  # the last tokens of reasoning, to spot its end marker
         self.forced: tuple[int, ...] = ()  # what is left of the marker being forced
         reasoning = constraint.reasoning
+        # a budget of 0 allows no reasoning at all: its opening token may never come (a model that
+        # opened it anyway would get an empty block forced, or reason after its forced end)
+        start = reasoning.start if reasoning is not None and reasoning.budget == 0 else None
+        self.banned: tuple[int, ...] = (start,) if start is not None else ()
         if reasoning is not None and reasoning.open:
             self.phase = Phase.REASONING
         elif reasoning is not None and reasoning.start is not None:
@@ -144,7 +148,7 @@ class ConstraintState:
         if phase is Phase.REASONING:
             # the answer must come: the output may not end inside reasoning
             return Rule(Rule.BUT, self.constraint.eos_ids) if self.matcher is not None else None
-        banned = self._banned()
+        banned = self.banned
         if phase is Phase.OPENING:
             start = self.constraint.reasoning.start  # type: ignore[union-attr]
             if self.matcher is None:
@@ -153,14 +157,6 @@ class ConstraintState:
         if phase is Phase.ANSWER:
             return Rule(Rule.GRAMMAR)
         return Rule(Rule.BUT, banned) if banned else None
-
-    def _banned(self) -> tuple[int, ...]:
-        """A budget of 0 allows no reasoning at all: its opening token may never come (a model that
-        opened it anyway would get an empty block forced, or reason after its forced end)."""
-        reasoning = self.constraint.reasoning
-        if reasoning is None or reasoning.budget != 0 or reasoning.start is None:
-            return ()
-        return (reasoning.start,)
 
 
 def fill_words(words: np.ndarray, rule: Rule, matcher: Any) -> None:

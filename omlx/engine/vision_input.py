@@ -54,4 +54,3 @@ class OcrInput:
 def image_keys(vision: VisionInput | OcrInput | None) -> dict[int, bytes] | None:
     """A prompt's image keys (None: no images): the prefix cache's extra block keys."""
     return (vision.keys or None) if vision is not None else None
-
